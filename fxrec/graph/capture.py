@@ -1,0 +1,101 @@
+"""Graph capture: symbolic tracing first, dynamo when tracing fails.
+
+``torch.fx.symbolic_trace`` keeps modules as ``call_module`` nodes but fails on about half of
+public CTR models (``len(x.shape)``, ``if x.dim() > 1``, iterating over ``torch.split``).
+Dynamo captures nearly all of them; its graphs inline modules and pass parameters as graph
+inputs. :func:`capture_dynamo` turns those inputs back into ``get_attr`` nodes on the
+model's own parameters, so both capture paths give rules the same kind of graph: one whose
+parameters belong to the model and can be laid out once (see :mod:`fxrec.graph.params`).
+
+Dynamo's own machinery (guards, graph breaks, input and output plumbing) stays in charge:
+``fxrec.optimize`` runs the model under ``torch.compile`` with fxrec's backend
+(:mod:`fxrec.compile.backend`), which lifts the parameters and runs the rules on each graph.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CaptureError", "FxrecTracer", "capture_symbolic", "lift_params_to_attrs", "param_names"]
+
+
+class CaptureError(RuntimeError):
+    """Raised when a capture method cannot produce a single graph for the model."""
+
+
+class FxrecTracer(fx.Tracer):
+    """Symbolic tracer that keeps fxrec's and TorchRec's sparse modules as leaves."""
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        if getattr(m, "_fxrec_leaf", False):
+            return True
+        mod = type(m).__module__
+        if mod.startswith("torchrec."):
+            return True
+        return super().is_leaf_module(m, qualname)
+
+
+def capture_symbolic(model: nn.Module) -> fx.GraphModule:
+    """Trace ``model`` with :class:`FxrecTracer`; raises :class:`CaptureError` on failure."""
+    tracer = FxrecTracer()
+    try:
+        graph = tracer.trace(model)
+    except Exception as exc:  # tracing fails in many, unpredictable ways
+        raise CaptureError(f"symbolic tracing failed: {type(exc).__name__}: {exc}") from exc
+    name = type(model).__name__
+    return fx.GraphModule(tracer.root, graph, name)
+
+
+def param_names(model: nn.Module) -> dict[int, str]:
+    """Qualified name of every parameter and buffer of ``model``, by object id."""
+    names: dict[int, str] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), n)
+    for n, b in model.named_buffers(remove_duplicate=False):
+        names.setdefault(id(b), n)
+    return names
+
+
+def lift_params_to_attrs(gm: fx.GraphModule, example_inputs: Sequence[Any], model: nn.Module) -> tuple[fx.GraphModule, list[int]]:
+    """Replace graph inputs that are ``model``'s parameters/buffers by ``get_attr`` nodes.
+
+    Returns the new graph module (whose attributes are the model's own tensors) and the
+    positions of the inputs that remain real inputs.
+    """
+    names = param_names(model)
+    graph = gm.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(example_inputs):
+        raise CaptureError("dynamo graph inputs do not line up with its example inputs")
+    keep: list[int] = []
+    root: dict[str, Any] = {}
+    first = next((n for n in graph.nodes if n.op != "placeholder"), None)
+    for i, (ph, val) in enumerate(zip(placeholders, example_inputs)):
+        qual = names.get(id(val)) if isinstance(val, torch.Tensor) else None
+        if qual is None:
+            keep.append(i)
+            continue
+        with graph.inserting_before(first):
+            attr = graph.get_attr(qual)
+        attr.meta.update(ph.meta)
+        ph.replace_all_uses_with(attr)
+        graph.erase_node(ph)
+        root[qual] = val
+    for node in graph.nodes:
+        if node.op in ("get_attr", "call_module") and node.target not in root:
+            root[node.target] = _resolve(gm, node.target)
+    return fx.GraphModule(root, graph, type(model).__name__), keep
+
+
+def _resolve(obj: Any, target: str) -> Any:
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj

@@ -1,0 +1,105 @@
+"""The driver: runs atomic rules over a graph until none of them changes anything.
+
+One pass visits every rule once. Local rules see every node; horizontal rules go through
+the two-step search of :mod:`fxrec.graph.search` against one :class:`Reachability` index
+built at the start of the pass. Nodes created during a pass are candidates from the next
+pass on, which is how small rules chain into big fusions: LayerNorms fuse in pass 1, the
+tanhs that now read one fused LayerNorm fuse in pass 2, the split/cat pair around them
+cancels in pass 3.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+import torch.fx as fx
+
+from fxrec.graph.rule import HorizontalRule, LocalRule, RewriteContext, Rule
+from fxrec.graph.search import Reachability, bucket, independent_sets, stable_toposort
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["run_rules"]
+
+MAX_PASSES = 32
+
+
+def _run_local(rule: LocalRule, ctx: RewriteContext) -> bool:
+    changed = False
+    for node in list(ctx.graph.nodes):
+        if node.graph is not ctx.graph:  # erased by an earlier rewrite in this loop
+            continue
+        m = rule.match(node, ctx)
+        if m:
+            rule.rewrite(node, m, ctx)
+            changed = True
+    return changed
+
+
+def _run_horizontal(rule: HorizontalRule, ctx: RewriteContext, reach: Reachability) -> tuple[bool, bool]:
+    """Returns (changed, deferred): deferred sets are retried on the next pass."""
+    changed = deferred = False
+    candidates = (n for n in ctx.graph.nodes if reach.knows(n))
+    for members in bucket(candidates, lambda n: rule.key(n, ctx)).values():
+        if len(members) < rule.min_size:
+            continue
+        for group in independent_sets(members, reach, rule.max_size):
+            if len(group) < rule.min_size:
+                continue
+            if any(n.graph is not ctx.graph for n in group):
+                deferred = True
+                continue
+            if not reach.still_independent(group):
+                deferred = True
+                continue
+            reason = rule.refuse_reason(group, ctx)
+            if reason is not None:
+                rule.refuse(ctx, group, reason)
+                continue
+            last = max(group, key=reach.index.__getitem__)
+            with ctx.graph.inserting_before(last):
+                rule.fuse(group, ctx)
+            reach.merge(group)
+            changed = True
+    return changed, deferred
+
+
+def run_rules(ctx: RewriteContext, rules: Sequence[Rule]) -> int:
+    """Apply ``rules`` to ``ctx.gm`` until a fixed point; returns the number of passes."""
+    t0 = time.perf_counter()
+    graph = ctx.graph
+    passes = 0
+    horizontal = [r for r in rules if isinstance(r, HorizontalRule)]
+    for passes in range(1, MAX_PASSES + 1):  # noqa: B007
+        changed = False
+        for rule in rules:
+            if isinstance(rule, LocalRule):
+                changed |= _run_local(rule, ctx)
+        if horizontal:
+            reach = Reachability(graph)
+            fused = False
+            for rule in horizontal:
+                c, d = _run_horizontal(rule, ctx, reach)
+                fused |= c
+                changed |= c or d
+            if fused:
+                stable_toposort(graph)
+        if not changed:
+            break
+    else:
+        ctx.report.notes.append(f"stopped after {MAX_PASSES} passes without reaching a fixed point")
+    graph.eliminate_dead_code(is_impure_node=_keep)
+    graph.lint()
+    ctx.gm.recompile()
+    ctx.report.passes = max(ctx.report.passes, passes)
+    logger.debug("rules reached a fixed point in %d passes, %.1f ms", passes, (time.perf_counter() - t0) * 1e3)
+    return passes
+
+
+def _keep(node: fx.Node) -> bool:
+    """Nodes dead-code elimination must keep although nothing reads their result."""
+    from fxrec.graph.effects import has_side_effects
+
+    return has_side_effects(node)

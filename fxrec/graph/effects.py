@@ -1,0 +1,61 @@
+"""Which nodes have effects beyond their result (mutation, randomness, communication).
+
+Rules must never merge, reorder past each other, duplicate or drop such nodes unless they
+handle the effect explicitly (e.g. the BatchNorm rule keeps running statistics exact).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["has_side_effects", "mutates_input", "is_random"]
+
+_STATEFUL_FUNCTIONS = {F.batch_norm, torch.batch_norm, F.instance_norm}
+_RANDOM_FUNCTIONS = {F.dropout, torch.dropout, F.alpha_dropout, torch.rand_like, torch.randn_like, torch.bernoulli}
+
+
+def _owner_module(node: fx.Node) -> nn.Module | None:
+    if node.op != "call_module":
+        return None
+    try:
+        return node.graph.owning_module.get_submodule(node.target)
+    except AttributeError:
+        return None
+
+
+def mutates_input(node: fx.Node) -> bool:
+    """True for in-place ops: ``x.relu_()``, ``F.relu(x, inplace=True)``, ``nn.ReLU(inplace=True)``."""
+    if node.kwargs.get("inplace") is True:
+        return True
+    if node.op == "call_method" and isinstance(node.target, str):
+        return node.target.endswith("_") and not node.target.endswith("__")
+    if node.op == "call_function":
+        name = getattr(node.target, "__name__", "")
+        if name.endswith("_") and not name.endswith("__"):
+            return True
+        schema = getattr(node.target, "_schema", None)
+        if schema is not None and schema.is_mutable:
+            return True
+    mod = _owner_module(node)
+    return bool(mod is not None and getattr(mod, "inplace", False))
+
+
+def is_random(node: fx.Node) -> bool:
+    """True for nodes whose result depends on the RNG (dropout in training, rand_like...)."""
+    if node.op == "call_function" and node.target in _RANDOM_FUNCTIONS:
+        return True
+    mod = _owner_module(node)
+    return isinstance(mod, nn.modules.dropout._DropoutNd)
+
+
+def has_side_effects(node: fx.Node) -> bool:
+    """Conservative: anything that writes state, draws random numbers or talks to other ranks."""
+    if node.is_impure() or mutates_input(node) or is_random(node):
+        return True
+    if node.op == "call_function" and node.target in _STATEFUL_FUNCTIONS:
+        return True
+    mod = _owner_module(node)
+    return bool(mod is not None and any(True for _ in mod.buffers()) and mod.training)

@@ -1,0 +1,163 @@
+"""What the optimizer knows about each value: shape, dtype, device.
+
+Rules decide on metadata alone, never on values. It comes from whatever the IR already
+carries (dynamo's ``example_value``, ``val``, ShapeProp's ``tensor_meta``) or from one run of
+the graph on the example inputs (:func:`annotate`). New nodes a rule creates get theirs from
+:func:`infer`, which runs the op on fake tensors. A node with no metadata is simply not a
+candidate for any rule: the rule reports why and moves on.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.fx.node import map_aggregate
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["TensorInfo", "info", "set_info", "annotate", "infer"]
+
+_KEY = "fxrec_info"
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Static description of a tensor value; hashable so it can be part of a bucket key."""
+
+    shape: tuple[Any, ...]
+    dtype: torch.dtype
+    device: torch.device
+    requires_grad: bool = False
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> TensorInfo:
+        shape = tuple(s if isinstance(s, int) else _sym(s) for s in t.shape)
+        return cls(shape, t.dtype, t.device, bool(t.requires_grad))
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def static(self) -> bool:
+        """True when every dimension is a plain int (no symbolic sizes)."""
+        return all(isinstance(s, int) for s in self.shape)
+
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s if isinstance(s, int) else 1
+        return n
+
+
+def _sym(s: Any) -> Any:
+    """A symbolic size as a hashable token (its expression), or its hint when it has one."""
+    try:
+        node = s.node
+        return str(node.expr)
+    except AttributeError:
+        return str(s)
+
+
+def _from_meta(node: fx.Node) -> Any:
+    for key in ("val", "example_value"):
+        v = node.meta.get(key)
+        if v is not None:
+            return map_aggregate(v, lambda x: TensorInfo.of(x) if isinstance(x, torch.Tensor) else x)
+    tm = node.meta.get("tensor_meta")
+    if tm is not None and hasattr(tm, "shape"):
+        return TensorInfo(tuple(tm.shape), tm.dtype, torch.device("cpu"), bool(tm.requires_grad))
+    return None
+
+
+def info(node: Any) -> Any:
+    """The node's :class:`TensorInfo` (or a tuple/list of them for multi-output ops), or None."""
+    if not isinstance(node, fx.Node):
+        return None
+    cached = node.meta.get(_KEY)
+    if cached is None:
+        cached = _from_meta(node)
+        if cached is not None:
+            node.meta[_KEY] = cached
+    return cached
+
+
+def set_info(node: fx.Node, value: Any) -> None:
+    """Record metadata for a node (tensors are converted to :class:`TensorInfo`)."""
+    node.meta[_KEY] = map_aggregate(
+        value, lambda x: TensorInfo.of(x) if isinstance(x, torch.Tensor) else x
+    )
+
+
+class _Annotator(fx.Interpreter):
+    """Runs the graph once on real example inputs and records each node's TensorInfo."""
+
+    def run_node(self, n: fx.Node) -> Any:
+        result = super().run_node(n)
+        if isinstance(result, torch.Tensor) or (
+            isinstance(result, (tuple, list)) and result and all(isinstance(r, torch.Tensor) for r in result)
+        ):
+            set_info(n, result)
+        return result
+
+
+def annotate(gm: fx.GraphModule, *example_inputs: Any) -> None:
+    """Fill in metadata by running ``gm`` once without autograd on the example inputs.
+
+    Randomness is isolated (fork_rng) so annotating does not shift the user's RNG stream.
+    """
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        _Annotator(gm).run(*example_inputs)
+
+
+def _fake_arg(mode: Any, x: Any) -> Any:
+    if isinstance(x, fx.Node):
+        ti = info(x)
+        if isinstance(ti, TensorInfo) and ti.static:
+            with mode:
+                t = torch.empty(ti.shape, dtype=ti.dtype, device=ti.device)
+            return t.requires_grad_(ti.requires_grad) if ti.dtype.is_floating_point else t
+        raise LookupError(f"no static metadata for {x.name}")
+    return x
+
+
+def infer(gm: fx.GraphModule, node: fx.Node) -> bool:
+    """Compute metadata for ``node`` from its inputs' metadata on fake tensors.
+
+    Returns False (leaving the node without metadata) when an input lacks it or the op
+    cannot run on fake tensors; rules treat such nodes as opaque.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    try:
+        args = map_aggregate(node.args, lambda x: _fake_arg(mode, x))
+        kwargs = map_aggregate(node.kwargs, lambda x: _fake_arg(mode, x))
+        with mode:
+            if node.op == "call_function":
+                out = node.target(*args, **kwargs)
+            elif node.op == "call_method":
+                self_, *rest = args
+                out = getattr(self_, node.target)(*rest, **kwargs)
+            elif node.op == "call_module":
+                out = gm.get_submodule(node.target)(*args, **kwargs)
+            elif node.op == "get_attr":
+                out = _resolve_attr(gm, node.target)
+            else:
+                return False
+    except Exception as exc:  # any failure leaves the node opaque, by design
+        logger.debug("cannot infer metadata for %s: %s", node.name, exc)
+        return False
+    set_info(node, out)
+    return True
+
+
+def _resolve_attr(gm: fx.GraphModule, target: str) -> Any:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj

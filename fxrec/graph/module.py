@@ -1,0 +1,278 @@
+"""``fxrec.optimize``: a drop-in replacement module that runs the optimized graph.
+
+The returned :class:`OptimizedModule` captures lazily, on the first call in each mode
+(train/eval) and input signature, because both change the graph: symbolic tracing bakes in
+``self.training``, and the cost model's choices depend on shapes (the best lowering of the
+seed pattern differs between batch 32 and 2048). Captures are cached; parameters laid out
+once are shared by every cached graph.
+
+State stays the user's: ``state_dict()`` and ``load_state_dict`` are the original model's,
+and fused parameters share storage with the original ones (see :mod:`fxrec.graph.params`).
+Build the optimizer on ``optimized.parameters()`` after calling ``optimize``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from fxrec.graph import meta
+from fxrec.graph.capture import CaptureError, capture_symbolic
+from fxrec.graph.optimize_graph import RuleSpec, optimize_graph, resolve_rules
+from fxrec.graph.params import FusedParameters
+from fxrec.graph.report import Report
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["OptimizedModule", "optimize"]
+
+MAX_CACHED_SIGNATURES = 8
+
+
+def _signature(x: Any) -> Any:
+    """A hashable description of the inputs: dense shapes exactly, sparse inputs by keys only.
+
+    Sparse values change length every batch; rules never depend on that length, so jagged
+    inputs are keyed by type and keys alone.
+    """
+    if isinstance(x, torch.Tensor):
+        return ("T", tuple(x.shape), x.dtype, x.device.type, x.requires_grad)
+    if isinstance(x, (list, tuple)):
+        return (type(x).__name__, *(_signature(i) for i in x))
+    if isinstance(x, Mapping) and type(x) is dict:
+        return ("D", *((k, _signature(v)) for k, v in x.items()))
+    keys = getattr(x, "keys", None)
+    if callable(keys):
+        try:
+            return (type(x).__name__, tuple(keys()))
+        except Exception:  # an object with an unusual keys(): type alone is enough
+            pass
+    return (type(x).__name__,) if not isinstance(x, (int, float, str, bool, type(None))) else ("V", x)
+
+
+class OptimizedModule(nn.Module):
+    """Runs ``model`` through fxrec-optimized graphs; same signature, outputs and gradients."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        rules: RuleSpec = None,
+        *,
+        keep_params: bool = False,
+        check: bool = True,
+    ) -> None:
+        super().__init__()
+        self.model = model
+        self.fxrec_fused = FusedParameters()
+        self._rules = resolve_rules(rules)
+        self._keep_params = keep_params
+        self._check = check
+        self._traced: dict[bool, fx.GraphModule | None] = {}
+        self._runners: dict[Any, Any] = {}
+        self._compiled: Any = None
+        self.fxrec_report = Report()
+        self.train(model.training)
+
+    # -- running -----------------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs:
+            args = self._positional(args, kwargs)
+        key = (self.training, _signature(args))
+        runner = self._runners.get(key)
+        if runner is None:
+            runner = self._build(key, args)
+        return runner(*args)
+
+    def _positional(self, args: tuple, kwargs: dict) -> tuple:
+        bound = inspect.signature(self.model.forward).bind(*args, **kwargs)
+        bound.apply_defaults()
+        return tuple(bound.arguments.values())
+
+    def _owner(self) -> FusedParameters | None:
+        return None if self._keep_params else self.fxrec_fused
+
+    def _build(self, key: Any, args: tuple) -> Any:
+        mode = self.training
+        same_mode = [k for k in self._runners if k[0] == mode]
+        if len(same_mode) >= MAX_CACHED_SIGNATURES:
+            # Rules never bake the batch size into a graph, so any graph of this mode is valid.
+            return self._runners[same_mode[0]]
+        if mode not in self._traced:
+            try:
+                self._traced[mode] = capture_symbolic(self.model)
+            except CaptureError as exc:
+                logger.info("fxrec: %s; capturing with dynamo instead", exc)
+                self.fxrec_report.notes.append(str(exc)[:200])
+                self._traced[mode] = None
+        traced = self._traced[mode]
+        if traced is None:
+            runner = self._dynamo_runner()
+        else:
+            runner = self._optimize_traced(traced, args)
+        self._runners[key] = runner
+        return runner
+
+    def _dynamo_runner(self) -> Any:
+        if self._compiled is None:
+            from fxrec.compile.backend import compile_backend
+
+            backend = compile_backend(
+                inner="eager", rules=self._rules, model=self.model, owner=self._owner(), report=self.fxrec_report
+            )
+            self.fxrec_report.capture = "dynamo"
+            self._compiled = torch.compile(self.model, backend=backend, dynamic=False)
+        return self._compiled
+
+    def _optimize_traced(self, traced: fx.GraphModule, args: tuple) -> fx.GraphModule:
+        graph = fx.Graph()
+        graph.output(graph.graph_copy(traced.graph, {}))
+        gm = fx.GraphModule(traced, graph, traced.__class__.__name__)
+        with _preserved_state(self.model):
+            reference = _run_annotating(gm, args)
+        report = Report(capture="symbolic_trace")
+        optimize_graph(gm, self._rules, owner=self._owner(), report=report, device_type=_device_type(args))
+        if self._check and not _same_outputs(self.model, gm, args, reference):
+            logger.warning("fxrec: optimized graph disagrees with the model on the example inputs; using the captured graph")
+            report.notes.append("check failed: outputs differ on the example inputs; graph left unoptimized")
+            gm = fx.GraphModule(traced, _copy_graph(traced.graph), traced.__class__.__name__)
+        self.fxrec_report.capture = self.fxrec_report.capture or report.capture
+        self.fxrec_report.merge(report)
+        return gm
+
+    # -- state: the user's model owns it -------------------------------------------------------
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        return self.model.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
+        if assign:
+            raise ValueError("fxrec: load_state_dict(assign=True) would detach laid-out parameters; load with assign=False")
+        return self.model.load_state_dict(state_dict, strict=strict)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:  # type: ignore[override]
+        """The parameters to optimize: fused ones replace their members."""
+        members = self.fxrec_fused.member_ids()
+        for name, p in super().named_parameters(prefix, recurse, remove_duplicate):
+            if id(p) not in members:
+                yield name, p
+
+    def _apply(self, fn: Any, recurse: bool = True) -> OptimizedModule:  # type: ignore[override]
+        super()._apply(fn, recurse)
+        self.fxrec_fused.relink()
+        self._runners.clear()  # graphs hold references to the old tensors
+        self._traced.clear()
+        self._compiled = None
+        return self
+
+
+def _copy_graph(g: fx.Graph) -> fx.Graph:
+    out = fx.Graph()
+    out.output(out.graph_copy(g, {}))
+    return out
+
+
+def _device_type(args: tuple) -> str:
+    from torch.utils._pytree import tree_leaves
+
+    for leaf in tree_leaves(args):
+        if isinstance(leaf, torch.Tensor):
+            return leaf.device.type
+    return "cpu"
+
+
+class _preserved_state:
+    """Capture runs the model; it must not change running statistics or the RNG stream."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def __enter__(self) -> None:
+        self.buffers = [(b, b.detach().clone()) for b in self.model.buffers()]
+        self.rng = torch.random.fork_rng(devices=[])
+        self.rng.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.rng.__exit__(*exc)
+        with torch.no_grad():
+            for b, saved in self.buffers:
+                b.copy_(saved)
+
+
+def _run_annotating(gm: fx.GraphModule, args: tuple) -> Any:
+    class _A(fx.Interpreter):
+        def run_node(self, n: fx.Node) -> Any:
+            out = super().run_node(n)
+            if isinstance(out, torch.Tensor) or (
+                isinstance(out, (tuple, list)) and out and all(isinstance(o, torch.Tensor) for o in out)
+            ):
+                meta.set_info(n, out)
+            return out
+
+    with torch.no_grad():
+        return _A(gm).run(*args)
+
+
+def _same_outputs(model: nn.Module, gm: fx.GraphModule, args: tuple, reference: Any) -> bool:
+    from torch.utils._pytree import tree_flatten
+
+    with _preserved_state(model), torch.no_grad():
+        got = gm(*args)
+    a, sa = tree_flatten(reference)
+    b, sb = tree_flatten(got)
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if isinstance(x, torch.Tensor) != isinstance(y, torch.Tensor):
+            return False
+        if isinstance(x, torch.Tensor):
+            if x.shape != y.shape or x.dtype != y.dtype:
+                return False
+            if x.is_floating_point():
+                tol = 1e-2 if x.dtype in (torch.float16, torch.bfloat16) else 1e-4
+                if not torch.allclose(x.float(), y.float(), rtol=tol, atol=tol, equal_nan=True):
+                    return False
+            elif not torch.equal(x, y):
+                return False
+    return True
+
+
+def optimize(
+    model: nn.Module,
+    example_inputs: tuple | None = None,
+    *,
+    rules: RuleSpec = None,
+    keep_params: bool = False,
+    check: bool = True,
+) -> OptimizedModule:
+    """Make ``model`` faster by rewriting its graph; same outputs and gradients.
+
+    Args:
+        model: any ``nn.Module``. It is not modified, except that parameters of fused layers
+            come to share storage with one flat parameter (values unchanged).
+        example_inputs: if given, the graph for these inputs is captured and optimized now
+            (and the report filled in); otherwise on the first call.
+        rules: rule names, classes or instances to run (default: all registered rules).
+        keep_params: keep the original parameter objects as the trained leaves (fused weights
+            are then gathered in-graph each step). Use it only if you cannot build your
+            optimizer after ``optimize``.
+        check: compare the optimized graph with the model on the example inputs and fall back
+            to the captured graph if they differ.
+
+    Returns:
+        an :class:`OptimizedModule`; its ``fxrec_report`` says what was done.
+    """
+    opt = OptimizedModule(model, rules, keep_params=keep_params, check=check)
+    if example_inputs is not None:
+        if not isinstance(example_inputs, tuple):
+            example_inputs = (example_inputs,)
+        key = (opt.training, _signature(example_inputs))
+        runner = opt._build(key, example_inputs)
+        if runner is opt._compiled:
+            with _preserved_state(model):
+                runner(*example_inputs)  # dynamo compiles (and fxrec optimizes) on the first call
+    return opt

@@ -1,0 +1,131 @@
+"""Recognising the pieces of one tensor: split, chunk, unbind and their getitems.
+
+Horizontal rules are cheapest when their members read consecutive pieces of one tensor:
+then the fused op reads that tensor directly (no cat, no copy) and its result is split again
+into views. These helpers answer "is this node a piece of some base tensor, which one, and do
+these pieces form one contiguous range?".
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from fxrec.graph import meta
+
+__all__ = ["Piece", "piece_of", "contiguous_range", "SPLIT_FUNCTIONS", "CHUNK_FUNCTIONS", "UNBIND_FUNCTIONS"]
+
+SPLIT_FUNCTIONS = {torch.split, torch.functional.split, torch.Tensor.split}
+CHUNK_FUNCTIONS = {torch.chunk, torch.Tensor.chunk}
+UNBIND_FUNCTIONS = {torch.unbind, torch.Tensor.unbind}
+
+
+@dataclass(frozen=True)
+class Piece:
+    """``node`` equals ``base.narrow(dim, start, length)`` (``squeezed``: ``select`` instead)."""
+
+    node: fx.Node
+    base: fx.Node
+    dim: int
+    start: int
+    length: int
+    index: int
+    source: fx.Node  # the split/chunk/unbind node
+    squeezed: bool = False
+
+
+def _arg(node: fx.Node, pos: int, name: str, default: object = None) -> object:
+    if len(node.args) > pos:
+        return node.args[pos]
+    return node.kwargs.get(name, default)
+
+
+def split_sizes(node: fx.Node) -> tuple[fx.Node, int, list[int], bool] | None:
+    """(base, dim, piece sizes, squeezed) for a split/chunk/unbind node with static sizes."""
+    kind = None
+    if node.op == "call_function":
+        if node.target in SPLIT_FUNCTIONS:
+            kind = "split"
+        elif node.target in CHUNK_FUNCTIONS:
+            kind = "chunk"
+        elif node.target in UNBIND_FUNCTIONS:
+            kind = "unbind"
+    elif node.op == "call_method" and node.target in ("split", "chunk", "unbind"):
+        kind = node.target
+    if kind is None:
+        return None
+    base = node.args[0] if node.args else node.kwargs.get("input", node.kwargs.get("tensor"))
+    if not isinstance(base, fx.Node):
+        return None
+    ti = meta.info(base)
+    if not isinstance(ti, meta.TensorInfo):
+        return None
+    if kind == "unbind":
+        dim = _arg(node, 1, "dim", 0)
+    else:
+        dim = _arg(node, 2, "dim", 0)
+    if not isinstance(dim, int):
+        return None
+    dim = dim % ti.ndim if ti.ndim else 0
+    total = ti.shape[dim] if ti.ndim else None
+    if not isinstance(total, int):
+        return None
+    if kind == "unbind":
+        return base, dim, [1] * total, True
+    size_arg = _arg(node, 1, "split_size_or_sections" if kind == "split" else "chunks")
+    if kind == "split" and size_arg is None:
+        size_arg = node.kwargs.get("split_size")
+    if kind == "chunk":
+        if not isinstance(size_arg, int) or size_arg <= 0:
+            return None
+        step = -(-total // size_arg)
+        sizes = [min(step, total - i) for i in range(0, total, step)] if total else [0]
+        return base, dim, sizes, False
+    if isinstance(size_arg, int):
+        if size_arg <= 0:
+            return None
+        sizes = [min(size_arg, total - i) for i in range(0, total, size_arg)] if total else [0]
+        return base, dim, sizes, False
+    if isinstance(size_arg, (list, tuple)) and all(isinstance(s, int) for s in size_arg):
+        if sum(size_arg) != total:
+            return None
+        return base, dim, list(size_arg), False
+    return None
+
+
+def piece_of(node: fx.Node) -> Piece | None:
+    """The :class:`Piece` a ``getitem(split(...), i)`` node denotes, or None."""
+    if node.op != "call_function" or node.target is not operator.getitem:
+        return None
+    src, idx = node.args
+    if not isinstance(src, fx.Node) or not isinstance(idx, int):
+        return None
+    s = split_sizes(src)
+    if s is None:
+        return None
+    base, dim, sizes, squeezed = s
+    if not -len(sizes) <= idx < len(sizes):
+        return None
+    idx %= len(sizes)
+    return Piece(node, base, dim, sum(sizes[:idx]), sizes[idx], idx, src, squeezed)
+
+
+def contiguous_range(nodes: Sequence[fx.Node]) -> tuple[fx.Node, int, int, int, list[int], bool] | None:
+    """If ``nodes`` are consecutive pieces of one base, in order: (base, dim, start, total, sizes, squeezed)."""
+    pieces = [piece_of(n) for n in nodes]
+    if not pieces or any(p is None for p in pieces):
+        return None
+    first = pieces[0]
+    assert first is not None
+    pos = first.start
+    for p in pieces:
+        assert p is not None
+        if p.base is not first.base or p.dim != first.dim or p.start != pos or p.squeezed != first.squeezed:
+            return None
+        pos += p.length
+    sizes = [p.length for p in pieces]  # type: ignore[union-attr]
+    return first.base, first.dim, first.start, pos - first.start, sizes, first.squeezed

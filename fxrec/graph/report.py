@@ -1,0 +1,87 @@
+"""The optimization report: which rule fired where, and why a candidate was left alone."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["Firing", "Refusal", "Report"]
+
+
+@dataclass
+class Firing:
+    """One application of a rule: the nodes it replaced and what it produced."""
+
+    rule: str
+    family: str
+    nodes: list[str]
+    detail: str = ""
+
+
+@dataclass
+class Refusal:
+    """A candidate a rule saw and did not rewrite, with the reason."""
+
+    rule: str
+    nodes: list[str]
+    reason: str
+
+
+@dataclass
+class Report:
+    """Everything ``fxrec.optimize`` decided, printable and JSON-serialisable."""
+
+    capture: str = ""
+    firings: list[Firing] = field(default_factory=list)
+    refusals: list[Refusal] = field(default_factory=list)
+    nodes_before: int = 0
+    nodes_after: int = 0
+    kernels_before: tuple[int, int] | None = None  # (forward, backward)
+    kernels_after: tuple[int, int] | None = None
+    passes: int = 0
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    def fired(self, rule: str, family: str, nodes: list[Any], detail: str = "") -> None:
+        self.firings.append(Firing(rule, family, [getattr(n, "name", str(n)) for n in nodes], detail))
+
+    def refused(self, rule: str, nodes: list[Any], reason: str) -> None:
+        self.refusals.append(Refusal(rule, [getattr(n, "name", str(n)) for n in nodes], reason))
+
+    def count(self, rule: str | None = None) -> int:
+        """How many times ``rule`` (or any rule) fired."""
+        return sum(1 for f in self.firings if rule is None or f.rule == rule)
+
+    def merge(self, other: Report) -> None:
+        """Fold in the report of another captured graph (graph breaks, train/eval)."""
+        self.firings += other.firings
+        self.refusals += other.refusals
+        self.nodes_before += other.nodes_before
+        self.nodes_after += other.nodes_after
+        self.passes = max(self.passes, other.passes)
+        self.seconds += other.seconds
+        self.notes += other.notes
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        lines = [
+            f"fxrec report ({self.capture or 'no capture'}): nodes {self.nodes_before} -> "
+            f"{self.nodes_after} in {self.passes} passes, {self.seconds * 1e3:.1f} ms"
+        ]
+        if self.kernels_before and self.kernels_after:
+            (fb, bb), (fa, ba) = self.kernels_before, self.kernels_after
+            lines.append(f"  kernels forward {fb} -> {fa}, backward {bb} -> {ba}")
+        by_rule = Counter(f.rule for f in self.firings)
+        sizes: Counter[str] = Counter()
+        for f in self.firings:
+            sizes[f.rule] += len(f.nodes)
+        for rule, n in sorted(by_rule.items()):
+            lines.append(f"  fired  {rule:<28} x{n:<4} ({sizes[rule]} nodes)")
+        reasons = Counter((r.rule, r.reason) for r in self.refusals)
+        for (rule, reason), n in sorted(reasons.items()):
+            lines.append(f"  left   {rule:<28} x{n:<4} {reason}")
+        lines += [f"  note   {n}" for n in self.notes]
+        return "\n".join(lines)

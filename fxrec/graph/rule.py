@@ -1,0 +1,175 @@
+"""Atomic rules: *match* + *rewrite*, one operator kind, one step.
+
+A rule never walks the graph itself; the driver (:mod:`fxrec.graph.driver`) owns the
+worklist and the fixed point. Two shapes of rule exist:
+
+* :class:`LocalRule` looks at one node and rewrites it in place (e.g. "a cat of a split's
+  pieces, in order, is the split's input"). Local rewrites may remove paths between
+  existing nodes but must never add one.
+* :class:`HorizontalRule` gives each candidate a bucket key; the driver runs the two-step
+  greedy search (bucket, then independent sets) and hands each set to :meth:`fuse`, after
+  the rule's :meth:`refuse_reason` (safety and cost model) has had its say.
+
+Rules register themselves with :func:`register`; ``fxrec.optimize`` runs every registered
+rule unless told otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Hashable, Iterable, Sequence
+from typing import Any, ClassVar
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from fxrec.graph import meta
+from fxrec.graph.params import ParamStore
+from fxrec.graph.report import Report
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Rule", "LocalRule", "HorizontalRule", "RewriteContext", "register", "registered_rules"]
+
+_REGISTRY: dict[str, type[Rule]] = {}
+
+
+class RewriteContext:
+    """What a rule may touch: the graph module, metadata, parameter layout and the report."""
+
+    def __init__(
+        self,
+        gm: fx.GraphModule,
+        report: Report,
+        params: ParamStore,
+        device_type: str = "cpu",
+    ) -> None:
+        self.gm = gm
+        self.graph = gm.graph
+        self.report = report
+        self.params = params
+        self.device_type = device_type
+
+    # -- lookups -----------------------------------------------------------------------------
+    def module(self, node: fx.Node) -> nn.Module | None:
+        """The module a ``call_module`` node calls, else None."""
+        if node.op != "call_module":
+            return None
+        return self.gm.get_submodule(node.target)
+
+    def attr(self, node: fx.Node) -> Any:
+        """The object a ``get_attr`` node reads, else None."""
+        if node.op != "get_attr":
+            return None
+        obj: Any = self.gm
+        for part in node.target.split("."):
+            obj = getattr(obj, part, None)
+        return obj
+
+    def info(self, node: Any) -> meta.TensorInfo | None:
+        ti = meta.info(node)
+        return ti if isinstance(ti, meta.TensorInfo) else None
+
+    # -- edits -------------------------------------------------------------------------------
+    def call(self, target: Any, args: tuple = (), kwargs: dict | None = None, *, infer: bool = True) -> fx.Node:
+        """Create a ``call_function`` node at the current insert point, with metadata."""
+        node = self.graph.call_function(target, args, kwargs or {})
+        if infer:
+            meta.infer(self.gm, node)
+        return node
+
+    def call_method(self, name: str, args: tuple = (), kwargs: dict | None = None) -> fx.Node:
+        node = self.graph.call_method(name, args, kwargs or {})
+        meta.infer(self.gm, node)
+        return node
+
+    def replace(self, old: fx.Node, new: fx.Node) -> None:
+        """Route every use of ``old`` to ``new`` (metadata moves along if ``new`` has none)."""
+        if meta.info(new) is None and meta.info(old) is not None:
+            meta.set_info(new, meta.info(old))
+        old.replace_all_uses_with(new)
+
+    def erase_if_dead(self, nodes: Iterable[fx.Node]) -> None:
+        """Erase nodes (and then their dead inputs) that no longer have users."""
+        work = list(nodes)
+        while work:
+            n = work.pop()
+            if n.graph is not self.graph or n.users or n.op in ("placeholder", "output"):
+                continue
+            if n.op != "get_attr" and n.is_impure():
+                continue
+            inputs = n.all_input_nodes
+            self.graph.erase_node(n)
+            work.extend(inputs)
+
+
+class Rule:
+    """Base of every atomic rule; subclasses set ``name`` and ``family``."""
+
+    name: ClassVar[str] = ""
+    family: ClassVar[str] = ""
+
+    def fired(self, ctx: RewriteContext, nodes: Sequence[fx.Node], detail: str = "") -> None:
+        ctx.report.fired(self.name, self.family, list(nodes), detail)
+
+    def refuse(self, ctx: RewriteContext, nodes: Sequence[fx.Node], reason: str) -> None:
+        ctx.report.refused(self.name, list(nodes), reason)
+
+
+class LocalRule(Rule):
+    """Rewrites one node at a time."""
+
+    def match(self, node: fx.Node, ctx: RewriteContext) -> Any:
+        """Return a truthy match object if the rule applies to ``node``."""
+        raise NotImplementedError
+
+    def rewrite(self, node: fx.Node, match: Any, ctx: RewriteContext) -> None:
+        raise NotImplementedError
+
+
+class HorizontalRule(Rule):
+    """Fuses sets of parallel, independent nodes that share a key."""
+
+    min_size: ClassVar[int] = 2
+    max_size: ClassVar[int | None] = None
+
+    def key(self, node: fx.Node, ctx: RewriteContext) -> Hashable | None:
+        """The bucket key of a candidate, or None if ``node`` is not one."""
+        raise NotImplementedError
+
+    def refuse_reason(self, group: Sequence[fx.Node], ctx: RewriteContext) -> str | None:
+        """Why this set must not be fused (safety, cost model), or None to fuse it."""
+        return None
+
+    def fuse(self, group: Sequence[fx.Node], ctx: RewriteContext) -> None:
+        """Replace the members by one fused computation (insert before ``group[-1]``)."""
+        raise NotImplementedError
+
+
+def register(cls: type[Rule]) -> type[Rule]:
+    """Class decorator adding a rule to the default rule set."""
+    if not cls.name:
+        raise ValueError(f"rule {cls.__qualname__} has no name")
+    if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
+        raise ValueError(f"two rules named {cls.name!r}")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def registered_rules() -> dict[str, type[Rule]]:
+    """Every registered rule by name (importing :mod:`fxrec.passes` registers the built-ins)."""
+    import fxrec.passes  # noqa: F401  (side effect: registration)
+
+    return dict(_REGISTRY)
+
+
+def same_device_and_dtype(infos: Sequence[meta.TensorInfo | None]) -> bool:
+    """Horizontal fusion needs one dtype and one device across members."""
+    if any(i is None for i in infos):
+        return False
+    return len({(i.dtype, i.device) for i in infos}) == 1  # type: ignore[union-attr]
+
+
+def is_float(ti: meta.TensorInfo | None) -> bool:
+    return ti is not None and ti.dtype.is_floating_point

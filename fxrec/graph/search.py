@@ -1,0 +1,166 @@
+"""The two-step greedy search of seed 001 (Fig. 5), with a cheap dependency test.
+
+Step 1 buckets candidate nodes by a key (op, shapes, dtype, device, hyper-parameters).
+Step 2 splits each bucket, greedily in topological (BFS) order, into sets whose members have
+no path between them: only such a set can become one node without creating a cycle.
+
+The dependency test is a bit test: each node carries the set of its ancestors as a Python
+int bitset, built in one topological sweep (:class:`Reachability`). Visiting members in
+topological order means a later node can never be an ancestor of an earlier one, so "is
+``n`` independent of set ``S``" is ``ancestors[n] & mask(S) == 0``: no depth limit, no
+per-pair BFS. A graph of 10,000 nodes is indexed in tens of milliseconds.
+
+Fusing a set changes reachability (everything upstream of one member now reaches everything
+downstream of any member). :class:`Reachability` stays sound within a pass by treating all
+sets fused so far as one merged node (:meth:`Reachability.merge`): merging more nodes only
+adds paths, so a set independent under that view is independent in the real graph.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import defaultdict
+from collections.abc import Callable, Hashable, Iterable, Sequence
+
+import torch.fx as fx
+
+__all__ = ["Reachability", "bucket", "independent_sets", "stable_toposort"]
+
+
+class Reachability:
+    """Ancestor bitsets over the nodes of a graph, frozen at construction time."""
+
+    def __init__(self, graph: fx.Graph) -> None:
+        self.index: dict[fx.Node, int] = {}
+        self.ancestors: list[int] = []
+        for i, node in enumerate(graph.nodes):
+            self.index[node] = i
+            acc = 0
+            for inp in node.all_input_nodes:
+                j = self.index.get(inp)
+                if j is not None:
+                    acc |= self.ancestors[j] | (1 << j)
+            self.ancestors.append(acc)
+        self._merged_mask = 0  # members of every set fused since construction
+        self._merged_anc = 0  # their ancestors
+
+    def knows(self, node: fx.Node) -> bool:
+        """True for nodes that existed when the index was built."""
+        return node in self.index
+
+    def mask(self, nodes: Iterable[fx.Node]) -> int:
+        m = 0
+        for n in nodes:
+            m |= 1 << self.index[n]
+        return m
+
+    def depends(self, a: fx.Node, b: fx.Node) -> bool:
+        """True if there is a path between ``a`` and ``b`` (either direction)."""
+        ia, ib = self.index[a], self.index[b]
+        return bool((self.ancestors[ib] >> ia) & 1 or (self.ancestors[ia] >> ib) & 1)
+
+    def merge(self, members: Sequence[fx.Node]) -> None:
+        """Record that ``members`` were fused into one node."""
+        for n in members:
+            i = self.index[n]
+            self._merged_mask |= 1 << i
+            self._merged_anc |= self.ancestors[i]
+
+    def still_independent(self, members: Sequence[fx.Node]) -> bool:
+        """False if fusions recorded by :meth:`merge` may have created a path between members."""
+        if not self._merged_mask:
+            return True
+        m = self.mask(members)
+        if m & self._merged_mask:
+            return False  # a member was already fused away
+        upstream = m & self._merged_anc
+        downstream = any(self.ancestors[self.index[n]] & self._merged_mask for n in members)
+        return not (upstream and downstream)
+
+
+def bucket(
+    nodes: Iterable[fx.Node], key: Callable[[fx.Node], Hashable | None]
+) -> dict[Hashable, list[fx.Node]]:
+    """Step 1: group candidate nodes by key; nodes whose key is None are not candidates."""
+    out: dict[Hashable, list[fx.Node]] = defaultdict(list)
+    for n in nodes:
+        k = key(n)
+        if k is not None:
+            out[k].append(n)
+    return out
+
+
+def independent_sets(
+    members: Sequence[fx.Node], reach: Reachability, max_size: int | None = None
+) -> list[list[fx.Node]]:
+    """Step 2: greedily split one bucket into sets with no data dependency inside a set.
+
+    Members are visited in topological order; each joins the first open set it is
+    independent of (first fit), so parallel branches fall into one set however far apart
+    they are in the graph.
+    """
+    ordered = sorted((n for n in members if reach.knows(n)), key=reach.index.__getitem__)
+    sets: list[list[fx.Node]] = []
+    masks: list[int] = []
+    for n in ordered:
+        anc = reach.ancestors[reach.index[n]]
+        bit = 1 << reach.index[n]
+        for k, m in enumerate(masks):
+            if not (anc & m) and (max_size is None or len(sets[k]) < max_size):
+                sets[k].append(n)
+                masks[k] |= bit
+                break
+        else:
+            sets.append([n])
+            masks.append(bit)
+    return sets
+
+
+def _is_ordered(node: fx.Node) -> bool:
+    """Nodes whose relative order must be kept (side effects, collectives, outputs)."""
+    return node.op in ("placeholder", "output") or node.is_impure()
+
+
+def stable_toposort(graph: fx.Graph) -> None:
+    """Reorder nodes topologically, keeping the existing order wherever it is already valid.
+
+    Rewrites insert a fused node at the position of its last member; users of earlier
+    members may then precede it. Kahn's algorithm with the old position as priority moves
+    just those users (and what depends on them) down. Side-effecting nodes keep their
+    relative order.
+    """
+    nodes = list(graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    deps: dict[fx.Node, set[fx.Node]] = {n: set(n.all_input_nodes) for n in nodes}
+    last_ordered: fx.Node | None = None
+    for n in nodes:
+        if _is_ordered(n):
+            if last_ordered is not None:
+                deps[n].add(last_ordered)
+            last_ordered = n
+    indeg = {n: len(d) for n, d in deps.items()}
+    users: dict[fx.Node, list[fx.Node]] = defaultdict(list)
+    for n, d in deps.items():
+        for m in d:
+            users[m].append(n)
+    heap = [(pos[n], n.name, n) for n in nodes if indeg[n] == 0]
+    heapq.heapify(heap)
+    order: list[fx.Node] = []
+    while heap:
+        _, _, n = heapq.heappop(heap)
+        order.append(n)
+        for u in users[n]:
+            indeg[u] -= 1
+            if indeg[u] == 0:
+                heapq.heappush(heap, (pos[u], u.name, u))
+    if len(order) != len(nodes):
+        raise RuntimeError("fxrec: graph has a cycle after a rewrite (this is a bug in a rule)")
+    if order == nodes:
+        return
+    cursor = order[0]
+    if cursor is not nodes[0]:
+        nodes[0].prepend(cursor)
+    for n in order[1:]:
+        if cursor.next is not n:
+            cursor.append(n)
+        cursor = n

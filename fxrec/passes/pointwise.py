@@ -1,0 +1,174 @@
+"""Parallel unary pointwise ops become one: tanh, sigmoid, relu, gelu, silu, clamp, casts...
+
+Every common spelling matches (``torch.tanh``, ``Tensor.tanh``, ``F.tanh``, ``nn.Tanh``), which
+Inductor's batch fusions miss. Members must agree on the op and its extra arguments, dtype
+and device. In-place members (``relu(inplace=True)``, ``x.relu_()``) are refused: merging them
+would lose the write to their input. Dropout in training mode is refused: one fused mask draws
+different random numbers than N masks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+
+from fxrec.graph.effects import mutates_input
+from fxrec.graph.horizontal import gather, scatter
+from fxrec.graph.rule import HorizontalRule, RewriteContext, register
+
+__all__ = ["UnaryOp", "unary_op", "FuseParallelUnary"]
+
+# canonical name -> (functions, method names, module types)
+_SPELLINGS: dict[str, tuple[set[Any], set[str], tuple[type, ...]]] = {
+    "tanh": ({torch.tanh, F.tanh, torch.Tensor.tanh}, {"tanh"}, (nn.Tanh,)),
+    "sigmoid": ({torch.sigmoid, F.sigmoid, torch.Tensor.sigmoid}, {"sigmoid"}, (nn.Sigmoid,)),
+    "relu": ({torch.relu, F.relu, torch.Tensor.relu}, {"relu"}, (nn.ReLU,)),
+    "gelu": ({F.gelu}, set(), (nn.GELU,)),
+    "silu": ({F.silu}, set(), (nn.SiLU,)),
+    "clamp": ({torch.clamp, torch.clip, torch.Tensor.clamp, torch.Tensor.clip}, {"clamp", "clip"}, ()),
+    "nan_to_num": ({torch.nan_to_num, torch.Tensor.nan_to_num}, {"nan_to_num"}, ()),
+    "dropout": ({F.dropout}, set(), (nn.Dropout,)),
+    "to": (set(), {"to", "float", "long", "int", "half", "bfloat16", "double"}, ()),
+}
+_FN_TO_NAME = {fn: name for name, (fns, _, _) in _SPELLINGS.items() for fn in fns}
+_METHOD_TO_NAME = {m: name for name, (_, ms, _) in _SPELLINGS.items() for m in ms}
+_CAST_METHODS = {"float": torch.float32, "long": torch.int64, "int": torch.int32, "half": torch.float16,
+                 "bfloat16": torch.bfloat16, "double": torch.float64}
+
+
+@dataclass(frozen=True)
+class UnaryOp:
+    """A node seen as ``op(input, **extra)`` in canonical form."""
+
+    name: str
+    input: fx.Node
+    extra: tuple[tuple[str, Any], ...]  # hyper-parameters, hashable
+
+
+def _extra_from_call(name: str, args: tuple, kwargs: dict) -> tuple[tuple[str, Any], ...] | None:
+    """Normalise positional and keyword hyper-parameters (e.g. clamp's bounds)."""
+    rest = list(args[1:])
+    kw = dict(kwargs)
+    kw.pop("inplace", None)
+    if name == "clamp":
+        names = ["min", "max"]
+    elif name == "nan_to_num":
+        names = ["nan", "posinf", "neginf"]
+    elif name == "gelu":
+        names = ["approximate"]
+    elif name == "dropout":
+        names = ["p", "training"]
+        if len(rest) > 2:
+            rest = rest[:2]
+    else:
+        names = []
+    if len(rest) > len(names):
+        return None
+    for n, v in zip(names, rest):
+        kw[n] = v
+    if any(isinstance(v, fx.Node) for v in kw.values()):
+        return None  # tensor-valued bounds: not a unary op
+    return tuple(sorted(kw.items()))
+
+
+def unary_op(node: fx.Node, ctx: RewriteContext) -> UnaryOp | None:
+    """Recognise any spelling of a supported unary pointwise op."""
+    if node.op == "call_function" and node.target in _FN_TO_NAME:
+        name = _FN_TO_NAME[node.target]
+        x = node.args[0] if node.args else node.kwargs.get("input")
+        extra = _extra_from_call(name, node.args, {k: v for k, v in node.kwargs.items() if k != "input"})
+    elif node.op == "call_method" and node.target in _METHOD_TO_NAME:
+        name = _METHOD_TO_NAME[node.target]
+        x = node.args[0]
+        if name == "to":
+            return _cast(node, ctx)
+        extra = _extra_from_call(name, node.args, dict(node.kwargs))
+    elif node.op == "call_module":
+        mod = ctx.module(node)
+        name = next((n for n, (_, _, types) in _SPELLINGS.items() if types and isinstance(mod, types)), None)
+        if name is None or len(node.args) != 1 or node.kwargs:
+            return None
+        x = node.args[0]
+        if name == "gelu":
+            extra = (("approximate", mod.approximate),)  # type: ignore[union-attr]
+        elif name == "dropout":
+            extra = (("p", mod.p), ("training", mod.training))  # type: ignore[union-attr]
+        else:
+            extra = ()
+    else:
+        return None
+    if not isinstance(x, fx.Node) or extra is None:
+        return None
+    return UnaryOp(name, x, extra)
+
+
+def _cast(node: fx.Node, ctx: RewriteContext) -> UnaryOp | None:
+    """``x.float()``, ``x.long()``, ``x.to(dtype)``: only dtype casts (no device moves)."""
+    if node.target in _CAST_METHODS:
+        if len(node.args) != 1 or node.kwargs:
+            return None
+        return UnaryOp("to", node.args[0], (("dtype", _CAST_METHODS[node.target]),))
+    if len(node.args) == 2 and isinstance(node.args[1], torch.dtype) and not node.kwargs:
+        return UnaryOp("to", node.args[0], (("dtype", node.args[1]),))
+    if len(node.args) == 1 and set(node.kwargs) == {"dtype"} and isinstance(node.kwargs["dtype"], torch.dtype):
+        return UnaryOp("to", node.args[0], (("dtype", node.kwargs["dtype"]),))
+    return None
+
+
+def _apply(ctx: RewriteContext, op: UnaryOp, x: fx.Node) -> fx.Node:
+    extra = dict(op.extra)
+    if op.name == "to":
+        return ctx.call_method("to", (x, extra["dtype"]))
+    fn = {"tanh": torch.tanh, "sigmoid": torch.sigmoid, "relu": torch.relu, "gelu": F.gelu, "silu": F.silu,
+          "clamp": torch.clamp, "nan_to_num": torch.nan_to_num, "dropout": F.dropout}[op.name]
+    return ctx.call(fn, (x,), extra)
+
+
+@register
+class FuseParallelUnary(HorizontalRule):
+    """N independent ``op(x_i)`` with the same op and arguments become ``op(gather(x))``."""
+
+    name = "parallel_unary"
+    family = "pointwise"
+
+    def key(self, node: fx.Node, ctx: RewriteContext) -> Hashable | None:
+        op = unary_op(node, ctx)
+        if op is None:
+            return None
+        ti = ctx.info(op.input)
+        if ti is None or not ti.static or ti.ndim == 0:
+            return None
+        # Members must agree on everything but the size of the dim they are joined along.
+        return (op.name, op.extra, ti.dtype, ti.device, ti.ndim, ti.shape[:-1], mutates_input(node))
+
+    def refuse_reason(self, group: Sequence[fx.Node], ctx: RewriteContext) -> str | None:
+        if mutates_input(group[0]):
+            return "in-place op: fusing would lose the write to each input"
+        op = unary_op(group[0], ctx)
+        assert op is not None
+        if op.name == "dropout" and dict(op.extra).get("training", True) and dict(op.extra).get("p", 0.5) > 0:
+            return "dropout in training mode: one fused mask draws different random numbers"
+        inputs = [unary_op(n, ctx).input for n in group]  # type: ignore[union-attr]
+        from fxrec.graph.pieces import contiguous_range
+
+        if contiguous_range(inputs) is None and len(group) < 3:
+            return "two separate inputs: a cat costs as much as the launch it saves"
+        return None
+
+    def fuse(self, group: Sequence[fx.Node], ctx: RewriteContext) -> None:
+        ops = [unary_op(n, ctx) for n in group]
+        g = gather(ctx, [o.input for o in ops], -1)  # type: ignore[union-attr]
+        if g is None:
+            self.refuse(ctx, group, "inputs have no static shape")
+            return
+        fused = _apply(ctx, ops[0], g.node)  # type: ignore[arg-type]
+        for member, out in zip(group, scatter(ctx, fused, g)):
+            ctx.replace(member, out)
+        ctx.erase_if_dead(group)
+        self.fired(ctx, group, f"{ops[0].name} x{len(group)}" + (" (cat)" if g.copied else ""))  # type: ignore[union-attr]
