@@ -91,7 +91,9 @@ def _loss(out: Any) -> torch.Tensor | None:
     return torch.stack(terms).sum() if len(terms) > 1 else terms[0]
 
 
-def count_kernels(fn: Callable[..., Any], *args: Any, backward: bool = True, **kwargs: Any) -> KernelCount:
+def count_kernels(
+    fn: Callable[..., Any], *args: Any, backward: bool = True, **kwargs: Any
+) -> KernelCount:
     """Run ``fn(*args, **kwargs)`` once (and the backward of the sum of its outputs) and count kernels.
 
     The loss used for backward (a sum over every output that requires grad) is built outside the
@@ -137,4 +139,3 @@ def count_cuda_kernels(fn: Callable[..., Any], *args: Any, backward: bool = True
             torch.cuda.synchronize()
         b, bo = _device_kernels(pb)
     return KernelCount(forward=f, backward=b, forward_ops=fo, backward_ops=bo)
-

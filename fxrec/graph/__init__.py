@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from fxrec.graph.module import OptimizedModule, optimize
 from fxrec.graph.report import Report
-from fxrec.graph.rule import HorizontalRule, LocalRule, RewriteContext, Rule, register, registered_rules
+from fxrec.graph.rule import (
+    HorizontalRule,
+    LocalRule,
+    RewriteContext,
+    Rule,
+    register,
+    registered_rules,
+)
 
 __all__ = [
     "HorizontalRule",

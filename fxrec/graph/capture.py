@@ -64,14 +64,17 @@ def param_names(model: nn.Module) -> dict[int, str]:
     return names
 
 
-def lift_params_to_attrs(gm: fx.GraphModule, example_inputs: Sequence[Any], model: nn.Module) -> tuple[fx.GraphModule, list[int]]:
+def lift_params_to_attrs(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], model: nn.Module
+) -> tuple[fx.GraphModule, list[int]]:
     """Replace graph inputs that are ``model``'s parameters/buffers by ``get_attr`` nodes.
 
     Returns the new graph module (whose attributes are the model's own tensors) and the
     positions of the inputs that remain real inputs.
     """
     names = param_names(model)
-    graph = gm.graph
+    graph = fx.Graph()  # a copy: dynamo still reads the graph it handed over
+    graph.output(graph.graph_copy(gm.graph, {}))
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     if len(placeholders) != len(example_inputs):
         raise CaptureError("dynamo graph inputs do not line up with its example inputs")

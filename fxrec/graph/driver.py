@@ -38,7 +38,9 @@ def _run_local(rule: LocalRule, ctx: RewriteContext) -> bool:
     return changed
 
 
-def _run_horizontal(rule: HorizontalRule, ctx: RewriteContext, reach: Reachability) -> tuple[bool, bool]:
+def _run_horizontal(
+    rule: HorizontalRule, ctx: RewriteContext, reach: Reachability
+) -> tuple[bool, bool]:
     """Returns (changed, deferred): deferred sets are retried on the next pass."""
     changed = deferred = False
     candidates = (n for n in ctx.graph.nodes if reach.knows(n))
@@ -94,7 +96,11 @@ def run_rules(ctx: RewriteContext, rules: Sequence[Rule]) -> int:
     graph.lint()
     ctx.gm.recompile()
     ctx.report.passes = max(ctx.report.passes, passes)
-    logger.debug("rules reached a fixed point in %d passes, %.1f ms", passes, (time.perf_counter() - t0) * 1e3)
+    logger.debug(
+        "rules reached a fixed point in %d passes, %.1f ms",
+        passes,
+        (time.perf_counter() - t0) * 1e3,
+    )
     return passes
 
 

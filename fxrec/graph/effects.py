@@ -14,7 +14,14 @@ from torch import nn
 __all__ = ["has_side_effects", "mutates_input", "is_random"]
 
 _STATEFUL_FUNCTIONS = {F.batch_norm, torch.batch_norm, F.instance_norm}
-_RANDOM_FUNCTIONS = {F.dropout, torch.dropout, F.alpha_dropout, torch.rand_like, torch.randn_like, torch.bernoulli}
+_RANDOM_FUNCTIONS = {
+    F.dropout,
+    torch.dropout,
+    F.alpha_dropout,
+    torch.rand_like,
+    torch.randn_like,
+    torch.bernoulli,
+}
 
 
 def _owner_module(node: fx.Node) -> nn.Module | None:

@@ -67,7 +67,9 @@ def _from_meta(node: fx.Node) -> Any:
     for key in ("val", "example_value"):
         v = node.meta.get(key)
         if v is not None:
-            return map_aggregate(v, lambda x: TensorInfo.of(x) if isinstance(x, torch.Tensor) else x)
+            return map_aggregate(
+                v, lambda x: TensorInfo.of(x) if isinstance(x, torch.Tensor) else x
+            )
     tm = node.meta.get("tensor_meta")
     if tm is not None and hasattr(tm, "shape"):
         return TensorInfo(tuple(tm.shape), tm.dtype, torch.device("cpu"), bool(tm.requires_grad))
@@ -99,7 +101,9 @@ class _Annotator(fx.Interpreter):
     def run_node(self, n: fx.Node) -> Any:
         result = super().run_node(n)
         if isinstance(result, torch.Tensor) or (
-            isinstance(result, (tuple, list)) and result and all(isinstance(r, torch.Tensor) for r in result)
+            isinstance(result, (tuple, list))
+            and result
+            and all(isinstance(r, torch.Tensor) for r in result)
         ):
             set_info(n, result)
         return result
@@ -134,6 +138,9 @@ def infer(gm: fx.GraphModule, node: fx.Node) -> bool:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = fake_log.level
+    fake_log.setLevel(logging.CRITICAL)  # a failed inference is expected, not an error
     try:
         args = map_aggregate(node.args, lambda x: _fake_arg(mode, x))
         kwargs = map_aggregate(node.kwargs, lambda x: _fake_arg(mode, x))
@@ -152,6 +159,8 @@ def infer(gm: fx.GraphModule, node: fx.Node) -> bool:
     except Exception as exc:  # any failure leaves the node opaque, by design
         logger.debug("cannot infer metadata for %s: %s", node.name, exc)
         return False
+    finally:
+        fake_log.setLevel(level)
     set_info(node, out)
     return True
 

@@ -53,7 +53,9 @@ def _signature(x: Any) -> Any:
             return (type(x).__name__, tuple(keys()))
         except Exception:  # an object with an unusual keys(): type alone is enough
             pass
-    return (type(x).__name__,) if not isinstance(x, (int, float, str, bool, type(None))) else ("V", x)
+    return (
+        (type(x).__name__,) if not isinstance(x, (int, float, str, bool, type(None))) else ("V", x)
+    )
 
 
 class OptimizedModule(nn.Module):
@@ -123,7 +125,11 @@ class OptimizedModule(nn.Module):
             from fxrec.compile.backend import compile_backend
 
             backend = compile_backend(
-                inner="eager", rules=self._rules, model=self.model, owner=self._owner(), report=self.fxrec_report
+                inner="eager",
+                rules=self._rules,
+                model=self.model,
+                owner=self._owner(),
+                report=self.fxrec_report,
             )
             self.fxrec_report.capture = "dynamo"
             self._compiled = torch.compile(self.model, backend=backend, dynamic=False)
@@ -136,10 +142,16 @@ class OptimizedModule(nn.Module):
         with _preserved_state(self.model):
             reference = _run_annotating(gm, args)
         report = Report(capture="symbolic_trace")
-        optimize_graph(gm, self._rules, owner=self._owner(), report=report, device_type=_device_type(args))
+        optimize_graph(
+            gm, self._rules, owner=self._owner(), report=report, device_type=_device_type(args)
+        )
         if self._check and not _same_outputs(self.model, gm, args, reference):
-            logger.warning("fxrec: optimized graph disagrees with the model on the example inputs; using the captured graph")
-            report.notes.append("check failed: outputs differ on the example inputs; graph left unoptimized")
+            logger.warning(
+                "fxrec: optimized graph disagrees with the model on the example inputs; using the captured graph"
+            )
+            report.notes.append(
+                "check failed: outputs differ on the example inputs; graph left unoptimized"
+            )
             gm = fx.GraphModule(traced, _copy_graph(traced.graph), traced.__class__.__name__)
         self.fxrec_report.capture = self.fxrec_report.capture or report.capture
         self.fxrec_report.merge(report)
@@ -149,12 +161,18 @@ class OptimizedModule(nn.Module):
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
         return self.model.state_dict(*args, **kwargs)
 
-    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:  # type: ignore[override]
         if assign:
-            raise ValueError("fxrec: load_state_dict(assign=True) would detach laid-out parameters; load with assign=False")
+            raise ValueError(
+                "fxrec: load_state_dict(assign=True) would detach laid-out parameters; load with assign=False"
+            )
         return self.model.load_state_dict(state_dict, strict=strict)
 
-    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:  # type: ignore[override]
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:  # type: ignore[override]
         """The parameters to optimize: fused ones replace their members."""
         members = self.fxrec_fused.member_ids()
         for name, p in super().named_parameters(prefix, recurse, remove_duplicate):
@@ -208,7 +226,9 @@ def _run_annotating(gm: fx.GraphModule, args: tuple) -> Any:
         def run_node(self, n: fx.Node) -> Any:
             out = super().run_node(n)
             if isinstance(out, torch.Tensor) or (
-                isinstance(out, (tuple, list)) and out and all(isinstance(o, torch.Tensor) for o in out)
+                isinstance(out, (tuple, list))
+                and out
+                and all(isinstance(o, torch.Tensor) for o in out)
             ):
                 meta.set_info(n, out)
             return out
@@ -222,8 +242,8 @@ def _same_outputs(model: nn.Module, gm: fx.GraphModule, args: tuple, reference: 
 
     with _preserved_state(model), torch.no_grad():
         got = gm(*args)
-    a, sa = tree_flatten(reference)
-    b, sb = tree_flatten(got)
+    a, _sa = tree_flatten(reference)
+    b, _sb = tree_flatten(got)
     if len(a) != len(b):
         return False
     for x, y in zip(a, b):

@@ -34,7 +34,9 @@ def resolve_rules(rules: RuleSpec = None, exclude: Iterable[str] = ()) -> list[R
     """Rule instances from names, classes or instances (default: every registered rule)."""
     registry = registered_rules()
     if rules is None:
-        chosen: list[str | Rule | type[Rule]] = [r for r in registry.values() if not getattr(r, "opt_in", False)]
+        chosen: list[str | Rule | type[Rule]] = [
+            r for r in registry.values() if not getattr(r, "opt_in", False)
+        ]
     else:
         chosen = list(rules)
     out: list[Rule] = []
@@ -78,7 +80,9 @@ def optimize_graph(
     except Exception as exc:
         if strict_mode():
             raise
-        logger.warning("fxrec: a rule failed (%s: %s); keeping this graph unoptimized", type(exc).__name__, exc)
+        logger.warning(
+            "fxrec: a rule failed (%s: %s); keeping this graph unoptimized", type(exc).__name__, exc
+        )
         report.notes.append(f"graph left unoptimized: {type(exc).__name__}: {exc}")
         gm.graph = backup
         params.rebind()

@@ -56,7 +56,9 @@ class FusedParameters(nn.Module):
 
     def locate(self) -> dict[int, tuple[str, str, _Member]]:
         """For every member tensor id: (flat name, layout, member record)."""
-        return {id(m.tensor): (name, how, m) for name, (how, ms) in self._members.items() for m in ms}
+        return {
+            id(m.tensor): (name, how, m) for name, (how, ms) in self._members.items() for m in ms
+        }
 
     def lookup(self, how: str, tensors: Sequence[torch.Tensor]) -> str | None:
         return self._by_ids.get((how, tuple(id(t) for t in tensors)))
@@ -71,7 +73,9 @@ class FusedParameters(nn.Module):
             data = torch.stack(list(tensors)) if how == "stack" else torch.cat(list(tensors))
         is_param = all(isinstance(t, nn.Parameter) for t in tensors)
         if is_param:
-            self.register_parameter(name, nn.Parameter(data, requires_grad=tensors[0].requires_grad))
+            self.register_parameter(
+                name, nn.Parameter(data, requires_grad=tensors[0].requires_grad)
+            )
         else:
             self.register_buffer(name, data)
         members, offset = [], 0

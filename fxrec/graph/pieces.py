@@ -17,7 +17,14 @@ import torch.fx as fx
 
 from fxrec.graph import meta
 
-__all__ = ["Piece", "piece_of", "contiguous_range", "SPLIT_FUNCTIONS", "CHUNK_FUNCTIONS", "UNBIND_FUNCTIONS"]
+__all__ = [
+    "Piece",
+    "piece_of",
+    "contiguous_range",
+    "SPLIT_FUNCTIONS",
+    "CHUNK_FUNCTIONS",
+    "UNBIND_FUNCTIONS",
+]
 
 SPLIT_FUNCTIONS = {torch.split, torch.functional.split, torch.Tensor.split}
 CHUNK_FUNCTIONS = {torch.chunk, torch.Tensor.chunk}
@@ -114,7 +121,9 @@ def piece_of(node: fx.Node) -> Piece | None:
     return Piece(node, base, dim, sum(sizes[:idx]), sizes[idx], idx, src, squeezed)
 
 
-def contiguous_range(nodes: Sequence[fx.Node]) -> tuple[fx.Node, int, int, int, list[int], bool] | None:
+def contiguous_range(
+    nodes: Sequence[fx.Node],
+) -> tuple[fx.Node, int, int, int, list[int], bool] | None:
     """If ``nodes`` are consecutive pieces of one base, in order: (base, dim, start, total, sizes, squeezed)."""
     pieces = [piece_of(n) for n in nodes]
     if not pieces or any(p is None for p in pieces):
@@ -124,7 +133,12 @@ def contiguous_range(nodes: Sequence[fx.Node]) -> tuple[fx.Node, int, int, int, 
     pos = first.start
     for p in pieces:
         assert p is not None
-        if p.base is not first.base or p.dim != first.dim or p.start != pos or p.squeezed != first.squeezed:
+        if (
+            p.base is not first.base
+            or p.dim != first.dim
+            or p.start != pos
+            or p.squeezed != first.squeezed
+        ):
             return None
         pos += p.length
     sizes = [p.length for p in pieces]  # type: ignore[union-attr]

@@ -44,7 +44,9 @@ class Report:
     notes: list[str] = field(default_factory=list)
 
     def fired(self, rule: str, family: str, nodes: list[Any], detail: str = "") -> None:
-        self.firings.append(Firing(rule, family, [getattr(n, "name", str(n)) for n in nodes], detail))
+        self.firings.append(
+            Firing(rule, family, [getattr(n, "name", str(n)) for n in nodes], detail)
+        )
 
     def refused(self, rule: str, nodes: list[Any], reason: str) -> None:
         self.refusals.append(Refusal(rule, [getattr(n, "name", str(n)) for n in nodes], reason))

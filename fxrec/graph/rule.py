@@ -20,7 +20,6 @@ import logging
 from collections.abc import Hashable, Iterable, Sequence
 from typing import Any, ClassVar
 
-import torch
 import torch.fx as fx
 from torch import nn
 
@@ -72,7 +71,9 @@ class RewriteContext:
         return ti if isinstance(ti, meta.TensorInfo) else None
 
     # -- edits -------------------------------------------------------------------------------
-    def call(self, target: Any, args: tuple = (), kwargs: dict | None = None, *, infer: bool = True) -> fx.Node:
+    def call(
+        self, target: Any, args: tuple = (), kwargs: dict | None = None, *, infer: bool = True
+    ) -> fx.Node:
         """Create a ``call_function`` node at the current insert point, with metadata."""
         node = self.graph.call_function(target, args, kwargs or {})
         if infer:

@@ -31,15 +31,25 @@ _SPELLINGS: dict[str, tuple[set[Any], set[str], tuple[type, ...]]] = {
     "relu": ({torch.relu, F.relu, torch.Tensor.relu}, {"relu"}, (nn.ReLU,)),
     "gelu": ({F.gelu}, set(), (nn.GELU,)),
     "silu": ({F.silu}, set(), (nn.SiLU,)),
-    "clamp": ({torch.clamp, torch.clip, torch.Tensor.clamp, torch.Tensor.clip}, {"clamp", "clip"}, ()),
+    "clamp": (
+        {torch.clamp, torch.clip, torch.Tensor.clamp, torch.Tensor.clip},
+        {"clamp", "clip"},
+        (),
+    ),
     "nan_to_num": ({torch.nan_to_num, torch.Tensor.nan_to_num}, {"nan_to_num"}, ()),
     "dropout": ({F.dropout}, set(), (nn.Dropout,)),
     "to": (set(), {"to", "float", "long", "int", "half", "bfloat16", "double"}, ()),
 }
 _FN_TO_NAME = {fn: name for name, (fns, _, _) in _SPELLINGS.items() for fn in fns}
 _METHOD_TO_NAME = {m: name for name, (_, ms, _) in _SPELLINGS.items() for m in ms}
-_CAST_METHODS = {"float": torch.float32, "long": torch.int64, "int": torch.int32, "half": torch.float16,
-                 "bfloat16": torch.bfloat16, "double": torch.float64}
+_CAST_METHODS = {
+    "float": torch.float32,
+    "long": torch.int64,
+    "int": torch.int32,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "double": torch.float64,
+}
 
 
 @dataclass(frozen=True)
@@ -82,7 +92,9 @@ def unary_op(node: fx.Node, ctx: RewriteContext) -> UnaryOp | None:
     if node.op == "call_function" and node.target in _FN_TO_NAME:
         name = _FN_TO_NAME[node.target]
         x = node.args[0] if node.args else node.kwargs.get("input")
-        extra = _extra_from_call(name, node.args, {k: v for k, v in node.kwargs.items() if k != "input"})
+        extra = _extra_from_call(
+            name, node.args, {k: v for k, v in node.kwargs.items() if k != "input"}
+        )
     elif node.op == "call_method" and node.target in _METHOD_TO_NAME:
         name = _METHOD_TO_NAME[node.target]
         x = node.args[0]
@@ -91,7 +103,9 @@ def unary_op(node: fx.Node, ctx: RewriteContext) -> UnaryOp | None:
         extra = _extra_from_call(name, node.args, dict(node.kwargs))
     elif node.op == "call_module":
         mod = ctx.module(node)
-        name = next((n for n, (_, _, types) in _SPELLINGS.items() if types and isinstance(mod, types)), None)
+        name = next(
+            (n for n, (_, _, types) in _SPELLINGS.items() if types and isinstance(mod, types)), None
+        )
         if name is None or len(node.args) != 1 or node.kwargs:
             return None
         x = node.args[0]
@@ -116,7 +130,11 @@ def _cast(node: fx.Node, ctx: RewriteContext) -> UnaryOp | None:
         return UnaryOp("to", node.args[0], (("dtype", _CAST_METHODS[node.target]),))
     if len(node.args) == 2 and isinstance(node.args[1], torch.dtype) and not node.kwargs:
         return UnaryOp("to", node.args[0], (("dtype", node.args[1]),))
-    if len(node.args) == 1 and set(node.kwargs) == {"dtype"} and isinstance(node.kwargs["dtype"], torch.dtype):
+    if (
+        len(node.args) == 1
+        and set(node.kwargs) == {"dtype"}
+        and isinstance(node.kwargs["dtype"], torch.dtype)
+    ):
         return UnaryOp("to", node.args[0], (("dtype", node.kwargs["dtype"]),))
     return None
 
@@ -125,8 +143,16 @@ def _apply(ctx: RewriteContext, op: UnaryOp, x: fx.Node) -> fx.Node:
     extra = dict(op.extra)
     if op.name == "to":
         return ctx.call_method("to", (x, extra["dtype"]))
-    fn = {"tanh": torch.tanh, "sigmoid": torch.sigmoid, "relu": torch.relu, "gelu": F.gelu, "silu": F.silu,
-          "clamp": torch.clamp, "nan_to_num": torch.nan_to_num, "dropout": F.dropout}[op.name]
+    fn = {
+        "tanh": torch.tanh,
+        "sigmoid": torch.sigmoid,
+        "relu": torch.relu,
+        "gelu": F.gelu,
+        "silu": F.silu,
+        "clamp": torch.clamp,
+        "nan_to_num": torch.nan_to_num,
+        "dropout": F.dropout,
+    }[op.name]
     return ctx.call(fn, (x,), extra)
 
 
@@ -152,7 +178,11 @@ class FuseParallelUnary(HorizontalRule):
             return "in-place op: fusing would lose the write to each input"
         op = unary_op(group[0], ctx)
         assert op is not None
-        if op.name == "dropout" and dict(op.extra).get("training", True) and dict(op.extra).get("p", 0.5) > 0:
+        if (
+            op.name == "dropout"
+            and dict(op.extra).get("training", True)
+            and dict(op.extra).get("p", 0.5) > 0
+        ):
             return "dropout in training mode: one fused mask draws different random numbers"
         inputs = [unary_op(n, ctx).input for n in group]  # type: ignore[union-attr]
         from fxrec.graph.pieces import contiguous_range

@@ -1,0 +1,37 @@
+"""count_kernels: exact counts, views skipped, forward and backward separate."""
+
+from __future__ import annotations
+
+import torch
+
+import fxrec
+
+
+def test_counts_kernels_and_skips_views() -> None:
+    x = torch.randn(4, 6, requires_grad=True)
+
+    def f(t: torch.Tensor) -> torch.Tensor:
+        v = t.view(6, 4).transpose(0, 1)  # views: not kernels
+        return torch.tanh(v) * 2
+
+    k = fxrec.count_kernels(f, x)
+    assert k.forward == 2  # tanh, mul
+    assert k.forward_ops == {"aten::tanh": 1, "aten::mul": 1}
+    assert k.backward >= 2
+    assert k.total == k.forward + k.backward
+
+
+def test_backward_false_counts_forward_only() -> None:
+    x = torch.randn(3, requires_grad=True)
+    k = fxrec.count_kernels(torch.sigmoid, x, backward=False)
+    assert (k.forward, k.backward) == (1, 0)
+
+
+def test_works_under_torch_compile() -> None:
+    """The counter must not make dynamo fall back to eager (FIELD_NOTES)."""
+    torch._dynamo.reset()
+    f = torch.compile(lambda t: torch.tanh(t) + 1, backend="eager")
+    x = torch.randn(8)
+    k = fxrec.count_kernels(f, x, backward=False)
+    assert k.forward == 2
+    torch._dynamo.reset()

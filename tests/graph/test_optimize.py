@@ -1,0 +1,217 @@
+"""fxrec.optimize as a drop-in module: state, parameters laid out once, modes, fallbacks."""
+
+from __future__ import annotations
+
+import copy
+import operator
+
+import pytest
+import torch
+import torch.fx as fx
+from torch import nn
+
+import fxrec
+from fxrec.graph.rule import HorizontalRule, RewriteContext
+
+
+@pytest.fixture(autouse=True)
+def _strict(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FXREC_STRICT", "1")
+
+
+class StackedScale(HorizontalRule):
+    """Test rule: N ``x_i * w_i`` (w_i parameters of one shape) -> one mul over stacked tensors."""
+
+    name = "test_stacked_scale"
+    family = "test"
+
+    def key(self, node: fx.Node, ctx: RewriteContext):  # type: ignore[override]
+        if node.op != "call_function" or node.target is not torch.mul or len(node.args) != 2:
+            return None
+        x, w = node.args
+        if not isinstance(w, fx.Node) or w.op != "get_attr":
+            return None
+        xi, wi = ctx.info(x), ctx.info(w)
+        return None if xi is None or wi is None else (xi.shape, wi.shape)
+
+    def fuse(self, group, ctx):  # type: ignore[override]
+        xs = ctx.call(torch.stack, ([n.args[0] for n in group],))
+        ws = ctx.call_method(
+            "unsqueeze", (ctx.params.combined([n.args[1] for n in group], "stack"), 1)
+        )
+        out = ctx.call(torch.unbind, (ctx.call(torch.mul, (xs, ws)),))
+        for i, n in enumerate(group):
+            item = ctx.graph.call_function(operator.getitem, (out, i))
+            ctx.replace(n, item)
+        ctx.erase_if_dead(group)
+        self.fired(ctx, group)
+
+
+class Scales(nn.Module):
+    def __init__(self, n: int = 3, d: int = 5) -> None:
+        super().__init__()
+        self.w = nn.ParameterList([nn.Parameter(torch.randn(d)) for _ in range(n)])
+        self.proj = nn.Linear(d, 1)
+
+    def forward(self, x0: torch.Tensor, x1: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+        # Written out so that symbolic tracing captures it (the dynamo path is tested below).
+        w = self.w
+        return (
+            self.proj(torch.mul(x0, w[0]))
+            + self.proj(torch.mul(x1, w[1]))
+            + self.proj(torch.mul(x2, w[2]))
+        )
+
+
+def _inputs(n: int = 3, b: int = 4, d: int = 5) -> tuple[torch.Tensor, ...]:
+    return tuple(torch.randn(b, d) for _ in range(n))
+
+
+def test_parameters_laid_out_once_and_state_dict_unchanged() -> None:
+    model = Scales()
+    ref = copy.deepcopy(model)
+    keys = {k: v.shape for k, v in model.state_dict().items()}
+    opt = fxrec.optimize(model, _inputs(), rules=[StackedScale])
+    assert opt.fxrec_report.count("test_stacked_scale") == 1
+    flat = [p for n, p in opt.named_parameters() if "fxrec_fused" in n]
+    assert len(flat) == 1 and flat[0].shape == (3, 5)
+    # Members now share storage with the flat parameter; values unchanged.
+    for i, w in enumerate(model.w):
+        assert w.data_ptr() == flat[0][i].data_ptr()
+        torch.testing.assert_close(w, ref.w[i])
+    assert {k: v.shape for k, v in opt.state_dict().items()} == keys
+    # The members are not handed to the optimizer twice.
+    assert not any(p is w for _, p in opt.named_parameters() for w in model.w)
+
+
+def test_training_matches_the_original_model() -> None:
+    model = Scales()
+    ref = copy.deepcopy(model)
+    opt = fxrec.optimize(model, _inputs(), rules=[StackedScale])
+    sgd_a = torch.optim.SGD(opt.parameters(), lr=0.1)
+    sgd_b = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for _ in range(3):
+        xs = _inputs(b=7)  # another batch size than the example
+        for m, o in ((opt, sgd_a), (ref, sgd_b)):
+            o.zero_grad()
+            m(*xs).pow(2).sum().backward()
+            o.step()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(opt.state_dict()[k], v, rtol=1e-4, atol=1e-4)
+
+
+def test_load_state_dict_writes_through_to_the_fused_parameter() -> None:
+    model = Scales()
+    opt = fxrec.optimize(model, _inputs(), rules=[StackedScale])
+    other = Scales()
+    opt.load_state_dict(other.state_dict())
+    xs = _inputs()
+    torch.testing.assert_close(opt(*xs), other(*xs))
+    # And the other way: a checkpoint of the optimized module loads into a plain model.
+    plain = Scales()
+    plain.load_state_dict(opt.state_dict())
+    torch.testing.assert_close(plain(*xs), opt(*xs))
+
+
+def test_keep_params_gathers_in_graph() -> None:
+    model = Scales()
+    opt = fxrec.optimize(model, _inputs(), rules=[StackedScale], keep_params=True)
+    assert not [n for n, _ in opt.named_parameters() if "fxrec_fused" in n]
+    xs = _inputs()
+    opt(*xs).sum().backward()
+    assert all(w.grad is not None for w in model.w)
+
+
+def test_gradients_match() -> None:
+    model = Scales()
+    ref = copy.deepcopy(model)
+    opt = fxrec.optimize(model, _inputs(), rules=[StackedScale])
+    xs = [x.requires_grad_() for x in _inputs()]
+    xr = [x.detach().clone().requires_grad_() for x in xs]
+    opt(*xs).sum().backward()
+    ref(*xr).sum().backward()
+    flat = next(p for n, p in opt.named_parameters() if "fxrec_fused" in n)
+    for i, w in enumerate(ref.w):
+        torch.testing.assert_close(flat.grad[i], w.grad)
+    for a, b in zip(xs, xr):
+        torch.testing.assert_close(a.grad, b.grad)
+
+
+def test_train_and_eval_are_captured_separately() -> None:
+    class Drop(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.drop = nn.Dropout(0.5)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.dropout(x, 0.5, self.training) + self.drop(x)
+
+    opt = fxrec.optimize(Drop())
+    x = torch.ones(64)
+    opt.eval()
+    torch.testing.assert_close(opt(x), 2 * x)
+    opt.train()
+    assert not torch.equal(opt(x), 2 * x)
+
+
+def test_failing_rule_raises_in_strict_mode_and_falls_back_otherwise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    class Broken(StackedScale):
+        name = "test_broken"
+
+        def fuse(self, group, ctx):  # type: ignore[override]
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        fxrec.optimize(Scales(), _inputs(), rules=[Broken])
+    monkeypatch.setenv("FXREC_STRICT", "0")
+    model = Scales()
+    opt = fxrec.optimize(model, _inputs(), rules=[Broken])
+    assert any("boom" in n for n in opt.fxrec_report.notes)
+    xs = _inputs()
+    torch.testing.assert_close(opt(*xs), model(*xs))
+
+
+def test_wrong_rewrite_is_caught_by_the_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Wrong(StackedScale):
+        name = "test_wrong"
+
+        def fuse(self, group, ctx):  # type: ignore[override]
+            for n in group:
+                ctx.replace(n, n.args[0])  # drops the multiplication
+            ctx.erase_if_dead(group)
+
+    monkeypatch.setenv("FXREC_STRICT", "0")
+    model = Scales()
+    opt = fxrec.optimize(model, _inputs(), rules=[Wrong])
+    assert any("check failed" in n for n in opt.fxrec_report.notes)
+    xs = _inputs()
+    torch.testing.assert_close(opt(*xs), model(*xs))
+
+
+def test_unknown_rule_name_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="unknown rule 'nope'"):
+        fxrec.optimize(Scales(), rules=["nope"])
+
+
+def test_untraceable_model_goes_through_dynamo() -> None:
+    class Loop(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if x.dim() > 1:  # data-independent, but symbolic tracing cannot take it
+                x = x * 1.0
+            return torch.cat([p.tanh() for p in torch.split(x, 2, 1)], 1)
+
+    model = Loop()
+    x = torch.randn(3, 8)
+    opt = fxrec.optimize(model, (x,))
+    assert opt.fxrec_report.capture == "dynamo"
+    assert opt.fxrec_report.count("parallel_unary") == 1
+    torch.testing.assert_close(opt(x), model(x))
+    torch._dynamo.reset()
+
+
+def test_report_prints() -> None:
+    opt = fxrec.optimize(Scales(), _inputs(), rules=[StackedScale])
+    text = str(opt.fxrec_report)
+    assert "test_stacked_scale" in text and "nodes" in text
