@@ -237,13 +237,14 @@ def _run_annotating(gm: fx.GraphModule, args: tuple) -> Any:
         return _A(gm).run(*args)
 
 
-def _same_outputs(model: nn.Module, gm: fx.GraphModule, args: tuple, reference: Any) -> bool:
+def _same_outputs(model: nn.Module, fn: Any, args: tuple, reference: Any) -> bool:
+    """Does ``fn(*args)`` give ``reference`` (same structure, dtypes, values within tolerance)?"""
     from torch.utils._pytree import tree_flatten
 
     with _preserved_state(model), torch.no_grad():
-        got = gm(*args)
-    a, _sa = tree_flatten(reference)
-    b, _sb = tree_flatten(got)
+        got = fn(*args)
+    a, _ = tree_flatten(reference)
+    b, _ = tree_flatten(got)
     if len(a) != len(b):
         return False
     for x, y in zip(a, b):
@@ -293,6 +294,12 @@ def optimize(
         key = (opt.training, _signature(example_inputs))
         runner = opt._build(key, example_inputs)
         if runner is opt._compiled:
-            with _preserved_state(model):
-                runner(*example_inputs)  # dynamo compiles (and fxrec optimizes) on the first call
+            # dynamo compiles (and fxrec optimizes) on the first call; check it like a trace.
+            with _preserved_state(model), torch.no_grad():
+                reference = model(*example_inputs)
+            if check and not _same_outputs(model, runner, example_inputs, reference):
+                logger.warning("fxrec: optimized graphs disagree with the model on the example inputs; running eagerly")
+                opt.fxrec_report.notes.append("check failed: outputs differ on the example inputs; model runs eagerly")
+                opt._compiled = model
+                opt._runners[key] = model
     return opt
