@@ -1,0 +1,110 @@
+"""Pytree registration: the sparse types' tensors are leaves for tree_flatten, AOTAutograd,
+``torch.export`` and fxrec's kernel counter.
+
+The spec (context) holds only static metadata (keys, a variable batch's per-key strides,
+KeyedTensor widths), never per-batch figures, so a new batch reuses a compiled graph. Offsets
+are not leaves: they are derived from lengths, and keeping them out keeps the spec stable.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.fx._pytree as fx_pytree
+import torch.utils._pytree as pytree
+
+from fxrec.sparse.jagged_tensor import JaggedTensor
+from fxrec.sparse.keyed_jagged_tensor import KeyedJaggedTensor
+from fxrec.sparse.keyed_tensor import KeyedTensor
+
+__all__ = ["register_pytrees"]
+
+_registered = False
+
+
+def _jt_flatten(jt: JaggedTensor) -> tuple[list[Any], None]:
+    return [jt.values(), jt.weights_or_none(), jt.lengths()], None
+
+
+def _jt_flatten_with_keys(jt: JaggedTensor) -> tuple[list[tuple[Any, Any]], None]:
+    leaves, ctx = _jt_flatten(jt)
+    names = ("values", "weights", "lengths")
+    return [(pytree.GetAttrKey(n), v) for n, v in zip(names, leaves)], ctx
+
+
+def _jt_unflatten(leaves: Any, ctx: None) -> JaggedTensor:
+    values, weights, lengths = leaves
+    return JaggedTensor._make(values, weights, lengths, None)
+
+
+def _kjt_ctx(kjt: KeyedJaggedTensor) -> tuple[tuple[str, ...], tuple[int, ...] | None]:
+    spk = kjt._stride_per_key
+    return tuple(kjt.keys()), None if spk is None else tuple(spk)
+
+
+def _kjt_flatten(kjt: KeyedJaggedTensor) -> tuple[list[Any], Any]:
+    return [kjt.values(), kjt.weights_or_none(), kjt.lengths()], _kjt_ctx(kjt)
+
+
+def _kjt_flatten_with_keys(kjt: KeyedJaggedTensor) -> tuple[list[tuple[Any, Any]], Any]:
+    leaves, ctx = _kjt_flatten(kjt)
+    names = ("values", "weights", "lengths")
+    return [(pytree.GetAttrKey(n), v) for n, v in zip(names, leaves)], ctx
+
+
+def _kjt_unflatten(leaves: Any, ctx: Any) -> KeyedJaggedTensor:
+    values, weights, lengths = leaves
+    keys, spk = ctx
+    return KeyedJaggedTensor._make(
+        list(keys), values, weights, lengths, stride_per_key=None if spk is None else list(spk)
+    )
+
+
+def _kt_flatten(kt: KeyedTensor) -> tuple[list[Any], Any]:
+    return [kt.values()], (tuple(kt.keys()), tuple(kt.length_per_key()), kt.key_dim())
+
+
+def _kt_flatten_with_keys(kt: KeyedTensor) -> tuple[list[tuple[Any, Any]], Any]:
+    leaves, ctx = _kt_flatten(kt)
+    return [(pytree.GetAttrKey("values"), leaves[0])], ctx
+
+
+def _kt_unflatten(leaves: Any, ctx: Any) -> KeyedTensor:
+    keys, lpk, key_dim = ctx
+    kt = KeyedTensor.__new__(KeyedTensor)
+    kt._keys, kt._length_per_key, kt._values, kt._key_dim = (
+        list(keys),
+        list(lpk),
+        leaves[0],
+        key_dim,
+    )
+    kt._offset_per_key, kt._index_per_key = None, None
+    return kt
+
+
+def _spec_leaves(flatten: Any) -> Any:
+    def fn(obj: Any, spec: pytree.TreeSpec) -> list[Any]:
+        return flatten(obj)[0]
+
+    return fn
+
+
+def register_pytrees() -> None:
+    """Register the three types once (idempotent; done on ``import fxrec.sparse``)."""
+    global _registered
+    if _registered:
+        return
+    for cls, flat, flat_keys, unflat in (
+        (JaggedTensor, _jt_flatten, _jt_flatten_with_keys, _jt_unflatten),
+        (KeyedJaggedTensor, _kjt_flatten, _kjt_flatten_with_keys, _kjt_unflatten),
+        (KeyedTensor, _kt_flatten, _kt_flatten_with_keys, _kt_unflatten),
+    ):
+        pytree.register_pytree_node(
+            cls,
+            flat,
+            unflat,
+            flatten_with_keys_fn=flat_keys,
+            serialized_type_name=f"fxrec.sparse.{cls.__name__}",
+        )
+        fx_pytree.register_pytree_flatten_spec(cls, _spec_leaves(flat))
+    _registered = True
