@@ -11,7 +11,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["has_side_effects", "mutates_input", "is_random"]
+__all__ = ["has_side_effects", "mutates_input", "is_random", "written_in_place"]
 
 _STATEFUL_FUNCTIONS = {F.batch_norm, torch.batch_norm, F.instance_norm}
 _RANDOM_FUNCTIONS = {
@@ -21,7 +21,20 @@ _RANDOM_FUNCTIONS = {
     torch.rand_like,
     torch.randn_like,
     torch.bernoulli,
+    F.dropout1d,
+    F.dropout2d,
+    F.dropout3d,
+    F.feature_alpha_dropout,
+    torch.rand,
+    torch.randn,
+    torch.randint,
+    torch.randint_like,
+    torch.randperm,
+    torch.normal,
+    torch.multinomial,
+    torch.poisson,
 }
+_RANDOM_METHODS = {"bernoulli", "multinomial"}
 
 
 def _owner_module(node: fx.Node) -> nn.Module | None:
@@ -54,6 +67,8 @@ def is_random(node: fx.Node) -> bool:
     """True for nodes whose result depends on the RNG (dropout in training, rand_like...)."""
     if node.op == "call_function" and node.target in _RANDOM_FUNCTIONS:
         return True
+    if node.op == "call_method" and node.target in _RANDOM_METHODS:
+        return True
     mod = _owner_module(node)
     return isinstance(mod, nn.modules.dropout._DropoutNd)
 
@@ -66,3 +81,20 @@ def has_side_effects(node: fx.Node) -> bool:
         return True
     mod = _owner_module(node)
     return bool(mod is not None and any(True for _ in mod.buffers()) and mod.training)
+
+
+def written_in_place(node: fx.Node, depth: int = 3) -> bool:
+    """True if an in-place op may write ``node``'s result (directly or through a view of it).
+
+    Fused members come back as views of one tensor produced by a multi-output split;
+    autograd forbids writing such views in place, and the write would land in the shared
+    result. Such members are refused.
+    """
+    work = [(u, 1) for u in node.users]
+    while work:
+        u, d = work.pop()
+        if mutates_input(u):
+            return True
+        if d < depth:
+            work.extend((v, d + 1) for v in u.users)
+    return False

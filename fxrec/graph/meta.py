@@ -58,9 +58,10 @@ def _sym(s: Any) -> Any:
     """A symbolic size as a hashable token (its expression), or its hint when it has one."""
     try:
         node = s.node
-        return str(node.expr)
     except AttributeError:
         return str(s)
+    const = node.maybe_as_int() if hasattr(node, "maybe_as_int") else None
+    return const if const is not None else str(node.expr)  # a specialized size is an int
 
 
 def _from_meta(node: fx.Node) -> Any:

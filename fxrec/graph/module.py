@@ -298,8 +298,12 @@ def optimize(
             with _preserved_state(model), torch.no_grad():
                 reference = model(*example_inputs)
             if check and not _same_outputs(model, runner, example_inputs, reference):
-                logger.warning("fxrec: optimized graphs disagree with the model on the example inputs; running eagerly")
-                opt.fxrec_report.notes.append("check failed: outputs differ on the example inputs; model runs eagerly")
+                logger.warning(
+                    "fxrec: optimized graphs disagree with the model on the example inputs; running eagerly"
+                )
+                opt.fxrec_report.notes.append(
+                    "check failed: outputs differ on the example inputs; model runs eagerly"
+                )
                 opt._compiled = model
                 opt._runners[key] = model
     return opt

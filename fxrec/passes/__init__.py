@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from fxrec.passes import pointwise
+from fxrec.passes import dedup, embedding, linear, norms, overlap, pointwise, split_cat
 
-__all__ = ["pointwise"]
+__all__ = ["dedup", "embedding", "linear", "norms", "overlap", "pointwise", "split_cat"]

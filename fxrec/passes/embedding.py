@@ -1,0 +1,405 @@
+"""Parallel embedding lookups become one grouped lookup over one laid-out weight.
+
+Spellings matched (both IRs):
+
+==================  ================================================================
+``nn.Embedding``    ``call_module``; dynamo's inlined ``F.embedding(ids, weight, ...)``
+``nn.EmbeddingBag`` ``call_module`` (``input, offsets, per_sample_weights``); dynamo's
+                    inlined ``F.embedding_bag(ids, weight, offsets, ...)``
+==================  ================================================================
+
+Members must agree on kind, embedding dim, pooling mode, ``sparse``, ``include_last_offset``,
+weight dtype and device, ids shape and dtype, offsets shape and whether per-sample weights
+exist; ``padding_idx``, ``max_norm`` and ``scale_grad_by_freq`` must be unset (each changes
+what a row lookup means per table). The tables' rows are laid out once in one weight
+(``ctx.params.combined(..., "cat")``; a table looked up by several members appears once), and
+each member's ids are shifted by its table's first row. The fused forward is:
+
+* ids of equal shape, no offsets (``nn.Embedding`` on any shape, ``nn.EmbeddingBag`` on 2-D
+  bags): the ids side by side as ``X`` (a view when they are consecutive pieces of one
+  tensor, e.g. the output of fused ``.long()`` casts; else one ``torch.stack``), ONE ``add``
+  of a constant per-table offset broadcast over ``X``, ONE lookup, ``unbind`` into members;
+* 1-D ids with per-member offsets (``EmbeddingBag``): one ``cat`` of ids, one
+  ``repeat_interleave`` of the table offsets by each member's id count (read at run time,
+  never baked), one ``add``, bag offsets shifted by each member's start (one ``stack`` + one
+  ``add``), ONE ``embedding_bag``, split per member.
+
+No size taken from the input (batch, number of ids) is baked into the rewritten graph.
+Tables that cannot be laid out once (``keep_params``, graph inputs) would be concatenated
+in-graph every step: the cost model of :mod:`fxrec.passes.linear` refuses that when the
+tables outweigh the looked-up activations (they almost always do).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import operator
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+
+from fxrec.graph import meta
+from fxrec.graph.effects import written_in_place
+from fxrec.graph.pieces import piece_of
+from fxrec.graph.rule import HorizontalRule, RewriteContext, register
+from fxrec.passes.linear import gather_cost_reason, param_info, param_node
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Lookup", "lookup_call", "FuseParallelLookups"]
+
+EMBEDDING_FUNCTIONS = {F.embedding}
+EMBEDDING_BAG_FUNCTIONS = {F.embedding_bag}
+Ref = Any
+# Jagged ids need 7 fixed kernels (forward) against one per member; backward saves N-1.
+MIN_JAGGED_MEMBERS = 5
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """One embedding lookup in canonical form (``bag``: EmbeddingBag semantics)."""
+
+    bag: bool
+    ids: fx.Node
+    weight: Ref
+    offsets: fx.Node | None
+    per_sample_weights: fx.Node | None
+    mode: str
+    sparse: bool
+    include_last_offset: bool
+    plain: bool  # padding_idx, max_norm and scale_grad_by_freq all unset
+
+
+def _arg(node: fx.Node, pos: int, name: str, default: Any = None) -> Any:
+    if len(node.args) > pos:
+        return node.args[pos]
+    return node.kwargs.get(name, default)
+
+
+def lookup_call(node: fx.Node, ctx: RewriteContext) -> Lookup | None:
+    """Recognise any spelling of an embedding (bag) lookup."""
+    if node.op == "call_module":
+        mod = ctx.module(node)
+        if type(mod) is nn.Embedding:
+            if len(node.args) != 1 or node.kwargs:
+                return None
+            plain = mod.padding_idx is None and mod.max_norm is None and not mod.scale_grad_by_freq
+            return Lookup(
+                False,
+                node.args[0],
+                f"{node.target}.weight",
+                None,
+                None,
+                "",
+                mod.sparse,
+                False,
+                plain,
+            )
+        if type(mod) is nn.EmbeddingBag:
+            ids = _arg(node, 0, "input")
+            off, psw = _arg(node, 1, "offsets"), _arg(node, 2, "per_sample_weights")
+            plain = mod.padding_idx is None and mod.max_norm is None and not mod.scale_grad_by_freq
+            return Lookup(
+                True,
+                ids,
+                f"{node.target}.weight",
+                off,
+                psw,
+                mod.mode,
+                mod.sparse,
+                mod.include_last_offset,
+                plain,
+            )
+        return None
+    if node.op != "call_function":
+        return None
+    if node.target in EMBEDDING_FUNCTIONS:
+        ids, w = _arg(node, 0, "input"), _arg(node, 1, "weight")
+        plain = (
+            _arg(node, 2, "padding_idx") is None
+            and _arg(node, 3, "max_norm") is None
+            and not _arg(node, 5, "scale_grad_by_freq", False)
+        )
+        sparse = _arg(node, 6, "sparse", False)
+        return Lookup(False, ids, w, None, None, "", bool(sparse), False, plain)
+    if node.target in EMBEDDING_BAG_FUNCTIONS:
+        ids, w, off = _arg(node, 0, "input"), _arg(node, 1, "weight"), _arg(node, 2, "offsets")
+        plain = (
+            _arg(node, 3, "max_norm") is None
+            and not _arg(node, 5, "scale_grad_by_freq", False)
+            and _arg(node, 10, "padding_idx") is None
+        )
+        return Lookup(
+            True,
+            ids,
+            w,
+            off,
+            _arg(node, 8, "per_sample_weights"),
+            _arg(node, 6, "mode", "mean"),
+            bool(_arg(node, 7, "sparse", False)),
+            bool(_arg(node, 9, "include_last_offset", False)),
+            plain,
+        )
+    return None
+
+
+def _valid(lk: Lookup) -> bool:
+    nodes_ok = isinstance(lk.ids, fx.Node) and (
+        isinstance(lk.weight, (str, fx.Node))
+        and (lk.offsets is None or isinstance(lk.offsets, fx.Node))
+        and (lk.per_sample_weights is None or isinstance(lk.per_sample_weights, fx.Node))
+    )
+    return nodes_ok and lk.plain and isinstance(lk.mode, str)
+
+
+def _unique(refs: Sequence[Ref]) -> tuple[list[Ref], list[int]]:
+    """Distinct tables in first-seen order, and each member's table position."""
+    keys: dict[Any, int] = {}
+    out: list[Ref] = []
+    pos: list[int] = []
+    for r in refs:
+        k = r if isinstance(r, str) else ("node", r)
+        if k not in keys:
+            keys[k] = len(out)
+            out.append(r)
+        pos.append(keys[k])
+    return out, pos
+
+
+@dataclass
+class _Side:
+    """The members' equally shaped tensors side by side: ``node`` has the members at ``dim``."""
+
+    node: fx.Node
+    dim: int
+    order: list[int]
+
+
+def _side_by_side(ctx: RewriteContext, xs: Sequence[fx.Node], order: list[int] | None) -> _Side:
+    """A view when ``xs`` are consecutive equal pieces of one tensor, else a ``stack``."""
+    n = len(xs)
+    pieces = [piece_of(x) for x in xs]
+    first = pieces[0]
+    if first is not None and all(
+        p is not None
+        and p.base is first.base
+        and p.dim == first.dim
+        and p.squeezed == first.squeezed
+        and p.length == first.length
+        for p in pieces
+    ):
+        perm = sorted(range(n), key=lambda i: pieces[i].start)  # type: ignore[union-attr]
+        starts = [pieces[i].start for i in perm]  # type: ignore[union-attr]
+        consecutive = all(b - a == first.length for a, b in itertools.pairwise(starts))
+        bi = meta.info(first.base)
+        if consecutive and (order is None or perm == order) and isinstance(bi, meta.TensorInfo):
+            x, d = first.base, first.dim
+            total = first.length * n
+            if starts[0] != 0 or total != bi.shape[d]:
+                x = ctx.call_method("narrow", (x, d, starts[0], total))
+            if not first.squeezed:
+                x = ctx.call_method("unflatten", (x, d, (n, -1)))
+            return _Side(x, d, perm)
+    order = list(range(n)) if order is None else order
+    return _Side(ctx.call(torch.stack, ([xs[i] for i in order], 0)), 0, order)
+
+
+def _offsets_buffer(ctx: RewriteContext, values: list[int], like: meta.TensorInfo) -> fx.Node:
+    """A constant tensor of table offsets, held by the graph module (not the model's state)."""
+    i = 0
+    while hasattr(ctx.gm, f"fxrec_table_offsets{i}"):
+        i += 1
+    name = f"fxrec_table_offsets{i}"
+    ctx.gm.register_buffer(
+        name, torch.tensor(values, dtype=like.dtype, device=like.device), persistent=False
+    )
+    node = ctx.graph.get_attr(name)
+    meta.set_info(node, getattr(ctx.gm, name))
+    return node
+
+
+@register
+class FuseParallelLookups(HorizontalRule):
+    """N independent lookups of equal dim and mode -> one lookup over one laid-out weight."""
+
+    name = "parallel_embedding"
+    family = "embedding"
+
+    def key(self, node: fx.Node, ctx: RewriteContext) -> Hashable | None:
+        lk = lookup_call(node, ctx)
+        if lk is None or not _valid(lk):
+            return None
+        ii, wi = ctx.info(lk.ids), param_info(ctx, lk.weight)
+        if ii is None or wi is None or not ii.static or wi.ndim != 2 or ii.dtype.is_floating_point:
+            return None
+        if ii.ndim == 0 or ii.dtype not in (torch.int64, torch.int32):
+            return None
+        oi = None
+        if lk.offsets is not None:
+            oinfo = ctx.info(lk.offsets)
+            if oinfo is None or not oinfo.static or ii.ndim != 1 or lk.include_last_offset:
+                return None
+            oi = (oinfo.shape, oinfo.dtype)
+        elif lk.bag and ii.ndim != 2:
+            return None
+        pi = None
+        if lk.per_sample_weights is not None:
+            p = ctx.info(lk.per_sample_weights)
+            if p is None or p.shape != ii.shape:
+                return None
+            pi = p.dtype
+        return (
+            "embedding_bag" if lk.bag else "embedding",
+            lk.mode,
+            lk.sparse,
+            wi.shape[1],
+            wi.dtype,
+            wi.device,
+            ii.shape if lk.offsets is None else ii.ndim,  # 1-D ids with offsets vary in length
+            ii.dtype,
+            oi,
+            pi,
+        )
+
+    def refuse_reason(self, group: Sequence[fx.Node], ctx: RewriteContext) -> str | None:
+        if any(written_in_place(n) for n in group):
+            return "a member's result is written in place: it must stay its own tensor"
+        lks: list[Lookup] = [lookup_call(n, ctx) for n in group]  # type: ignore[misc]
+        if lks[0].offsets is not None and len(group) < MIN_JAGGED_MEMBERS:
+            return (
+                f"{len(group)} lookups on jagged ids: the fused form costs 7 kernels "
+                f"(cat, repeat_interleave, add, stack, add, lookup), worth it from {MIN_JAGGED_MEMBERS}"
+            )
+        tables, _ = _unique([lk.weight for lk in lks])
+        total_rows = sum(param_info(ctx, t).shape[0] for t in tables)  # type: ignore[union-attr]
+        ii = ctx.info(lks[0].ids)
+        assert ii is not None
+        if ii.dtype == torch.int32 and total_rows >= 2**31:
+            return "int32 ids cannot address the combined table: cast the ids to int64"
+        dim = param_info(ctx, tables[0]).shape[1]  # type: ignore[union-attr]
+        outs = 0
+        for n in group:
+            oi = ctx.info(n)
+            outs += oi.numel() if oi is not None else dim
+        return gather_cost_reason(ctx, [tables], "cat", outs)
+
+    def fuse(self, group: Sequence[fx.Node], ctx: RewriteContext) -> None:
+        lks: list[Lookup] = [lookup_call(n, ctx) for n in group]  # type: ignore[misc]
+        if lks[0].offsets is not None:
+            self._fuse_jagged(group, lks, ctx)
+        else:
+            self._fuse_dense(group, lks, ctx)
+
+    # -- helpers -----------------------------------------------------------------------------
+    @staticmethod
+    def _table(ctx: RewriteContext, lks: Sequence[Lookup]) -> tuple[fx.Node, list[int]]:
+        """The combined weight and each member's first row in it."""
+        tables, pos = _unique([lk.weight for lk in lks])
+        starts, acc = [], 0
+        for t in tables:
+            starts.append(acc)
+            acc += param_info(ctx, t).shape[0]  # type: ignore[union-attr]
+        w = ctx.params.combined([param_node(ctx, t) for t in tables], "cat")
+        return w, [starts[p] for p in pos]
+
+    def _lookup(
+        self, ctx: RewriteContext, lk: Lookup, ids: fx.Node, w: fx.Node, **kw: Any
+    ) -> fx.Node:
+        if not lk.bag:
+            return ctx.call(F.embedding, (ids, w), {"sparse": lk.sparse})
+        return ctx.call(
+            F.embedding_bag,
+            (ids, w),
+            {"mode": lk.mode, "sparse": lk.sparse, **kw},
+        )
+
+    def _fuse_dense(self, group: Sequence[fx.Node], lks: list[Lookup], ctx: RewriteContext) -> None:
+        n = len(group)
+        ids = _side_by_side(ctx, [lk.ids for lk in lks], None)
+        group = [group[i] for i in ids.order]
+        lks = [lks[i] for i in ids.order]
+        psw = None
+        if lks[0].per_sample_weights is not None:
+            psw = _side_by_side(ctx, [lk.per_sample_weights for lk in lks], list(range(n)))
+            if psw.dim != ids.dim:  # lay both out the same way
+                psw = _Side(ctx.call_method("movedim", (psw.node, psw.dim, ids.dim)), ids.dim, [])
+        w, starts = self._table(ctx, lks)
+        xi = ctx.info(ids.node)
+        assert xi is not None
+        offs = _offsets_buffer(ctx, starts, xi)
+        shape = [1] * xi.ndim
+        shape[ids.dim] = n
+        x = ctx.call(torch.add, (ids.node, ctx.call_method("view", (offs, *shape))))
+        if not lks[0].bag:
+            y = self._lookup(ctx, lks[0], x, w)
+            parts = ctx.call(torch.unbind, (y, ids.dim))
+            detail = f"embedding x{n}"
+        else:  # 2-D bags per member: X is 3-D with the members at dim 0 or 1
+            flat = ctx.call_method("flatten", (x, 0, 1))
+            kw = {}
+            if psw is not None:
+                kw["per_sample_weights"] = ctx.call_method("flatten", (psw.node, 0, 1))
+            y = self._lookup(ctx, lks[0], flat, w, **kw)
+            split = (n, -1) if ids.dim == 0 else (-1, n)
+            y = ctx.call_method("unflatten", (y, 0, split))
+            parts = ctx.call(torch.unbind, (y, ids.dim))
+            detail = f"embedding_bag({lks[0].mode}) x{n}"
+        self._scatter(ctx, group, parts)
+        self.fired(ctx, group, detail + ("" if ids.node.target is not torch.stack else " (stack)"))
+
+    def _fuse_jagged(
+        self, group: Sequence[fx.Node], lks: list[Lookup], ctx: RewriteContext
+    ) -> None:
+        n = len(group)
+        w, starts = self._table(ctx, lks)
+        ids = ctx.call(torch.cat, ([lk.ids for lk in lks], 0))
+        ii = ctx.info(ids)
+        assert ii is not None
+        sizes = [ctx.graph.call_function(torch.Tensor.size, (lk.ids, 0)) for lk in lks]
+        counts = ctx.call(torch.tensor, (sizes,), {"device": ii.device}, infer=False)
+        offs = _offsets_buffer(ctx, starts, ii)
+        total = ctx.graph.call_function(torch.Tensor.size, (ids, 0))
+        per_id = ctx.call(
+            torch.repeat_interleave, (offs, counts), {"output_size": total}, infer=False
+        )
+        meta.set_info(per_id, torch.empty(ii.shape, dtype=ii.dtype, device=ii.device))
+        x = ctx.call(torch.add, (ids, per_id))
+        # Bag offsets: member i's bags start after the ids of members 0..i-1.
+        firsts = [0]
+        for s in sizes[:-1]:
+            firsts.append(ctx.graph.call_function(operator.add, (firsts[-1], s)))
+        oi = ctx.info(lks[0].offsets)
+        assert oi is not None
+        shift = ctx.call(
+            torch.tensor, (firsts,), {"dtype": oi.dtype, "device": oi.device}, infer=False
+        )
+        meta.set_info(shift, torch.empty(n, dtype=oi.dtype, device=oi.device))
+        stacked = ctx.call(torch.stack, ([lk.offsets for lk in lks], 0))
+        bag_offsets = ctx.call_method(
+            "flatten", (ctx.call(torch.add, (stacked, ctx.call_method("unsqueeze", (shift, 1)))),)
+        )
+        kw: dict[str, Any] = {"offsets": bag_offsets}
+        if lks[0].per_sample_weights is not None:
+            kw["per_sample_weights"] = ctx.call(
+                torch.cat, ([lk.per_sample_weights for lk in lks], 0)
+            )
+        y = self._lookup(ctx, lks[0], x, w, **kw)
+        parts = ctx.call(torch.unbind, (ctx.call_method("unflatten", (y, 0, (n, -1))), 0))
+        self._scatter(ctx, group, parts)
+        self.fired(ctx, group, f"embedding_bag({lks[0].mode}) x{n} over jagged ids")
+
+    @staticmethod
+    def _scatter(ctx: RewriteContext, group: Sequence[fx.Node], parts: fx.Node) -> None:
+        infos = meta.info(parts)
+        for i, member in enumerate(group):
+            item = ctx.graph.call_function(operator.getitem, (parts, i))
+            if isinstance(infos, (list, tuple)) and i < len(infos):
+                meta.set_info(item, infos[i])
+            ctx.replace(member, item)
+        ctx.erase_if_dead(group)

@@ -1,0 +1,378 @@
+"""Parallel Linears become one: one Linear over concatenated weights, or one batched matmul.
+
+Spellings matched (both IRs):
+
+==============  =====================================================================
+``nn.Linear``   ``call_module`` (exact type: subclasses may change ``forward``)
+``F.linear``    ``call_function`` ``F.linear`` / ``torch._C._nn.linear`` (dynamo's
+                inlined form) with weight and bias as ``get_attr``, graph inputs or
+                computed nodes; bias may be absent
+==============  =====================================================================
+
+Two rules, one per shape of parallelism:
+
+* ``parallel_linear_same_input``: N Linears reading the same tensor become ONE Linear over
+  the weights concatenated along out-features (laid out once, see :mod:`fxrec.graph.params`),
+  its result split into per-member views. The search has no depth limit, so this also fires
+  when each member is the first layer of a deeper tower (where Inductor's BFS stops).
+* ``parallel_linear_batched``: N Linears on same-shaped 2-D inputs (next layers of parallel
+  towers, experts, task towers) become one ``torch.baddbmm`` over ``(N, B, in)`` with the
+  weights laid out once as ``(N, out, in)``. Inputs that are consecutive pieces of one tensor
+  are read through a view (``unflatten`` + ``movedim``); separate inputs are stacked. The
+  result is handed back as ``unbind`` pieces of a ``(B, N, out)`` view, the layout in which the
+  next LayerNorm / activation of the towers fuse without a copy (they recognise unbind pieces).
+
+Members must agree on dtype, device and whether a bias exists (a bias-less member among
+biased ones is not fused: padding it with a zero bias would add a parameter the optimizer
+would train). The cost model (:func:`gather_cost_reason`) refuses a set whose weights cannot
+be laid out once (``keep_params=True``, parameters as graph inputs, a parameter shared between
+members) when the per-step in-graph gather would move more elements than the activations.
+No size taken from the input (the batch) is ever baked into the rewritten graph.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+
+from fxrec.graph import meta
+from fxrec.graph.effects import written_in_place
+from fxrec.graph.horizontal import Gathered, scatter
+from fxrec.graph.pieces import piece_of
+from fxrec.graph.rule import HorizontalRule, RewriteContext, register
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "LinearCall",
+    "linear_call",
+    "param_info",
+    "param_node",
+    "param_tensor",
+    "laid_out_or_can_be",
+    "gather_cost_reason",
+    "FuseLinearSameInput",
+    "FuseLinearBatched",
+]
+
+LINEAR_FUNCTIONS = {F.linear, torch._C._nn.linear}
+
+# A parameter reference: an existing node, or the qualified name of a module attribute
+# (call_module members) that becomes a ``get_attr`` node only if the set is fused.
+Ref = Any
+
+
+# -- parameter references (shared with the embedding family) ----------------------------------
+def param_tensor(ctx: RewriteContext, ref: Ref) -> torch.Tensor | None:
+    """The model tensor a reference names (a module attribute or a ``get_attr``), else None."""
+    if isinstance(ref, str):
+        obj: Any = ctx.gm
+        for part in ref.split("."):
+            obj = getattr(obj, part, None)
+        return obj if isinstance(obj, torch.Tensor) else None
+    if isinstance(ref, fx.Node):
+        t = ctx.attr(ref)
+        return t if isinstance(t, torch.Tensor) else None
+    return None
+
+
+def param_info(ctx: RewriteContext, ref: Ref) -> meta.TensorInfo | None:
+    t = param_tensor(ctx, ref)
+    if t is not None:
+        return meta.TensorInfo.of(t)
+    return ctx.info(ref) if isinstance(ref, fx.Node) else None
+
+
+def param_node(ctx: RewriteContext, ref: Ref) -> fx.Node:
+    """The node for a reference (a new ``get_attr`` for module attributes)."""
+    if isinstance(ref, fx.Node):
+        return ref
+    node = ctx.graph.get_attr(ref)
+    t = param_tensor(ctx, ref)
+    if t is not None:
+        meta.set_info(node, t)
+    return node
+
+
+def _ref_key(ref: Ref) -> Any:
+    return ref if isinstance(ref, str) else ("node", ref)
+
+
+def laid_out_or_can_be(ctx: RewriteContext, refs: Sequence[Ref], how: str) -> bool:
+    """True when ``ctx.params.combined(refs, how)`` reads one flat tensor (no per-step gather)."""
+    ts = [param_tensor(ctx, r) for r in refs]
+    if ctx.params.owner is None or any(t is None for t in ts):
+        return False
+    if ctx.params.owner.lookup(how, ts) is not None:  # type: ignore[arg-type]
+        return True
+    from types import SimpleNamespace
+
+    stand_ins = [
+        SimpleNamespace(op="get_attr", target=r) if isinstance(r, str) else r for r in refs
+    ]
+    return ctx.params.can_lay_out(stand_ins)  # type: ignore[arg-type]
+
+
+def gather_cost_reason(
+    ctx: RewriteContext, refs: Sequence[Sequence[Ref]], how: str, activation_elems: int
+) -> str | None:
+    """Cost model: refuse when parameters would be gathered in-graph every step and are large.
+
+    Laid out once, a fused layer reads its weights for free. Gathered in-graph (torch.cat /
+    torch.stack each step, and the matching split of the gradient), it copies every weight
+    twice per step; that pays only while the weights are small next to the activations the
+    layer touches anyway (one fused launch saves N-1 launches, a weight copy costs memory
+    bandwidth proportional to its size).
+    """
+    gathered = 0
+    for group in refs:
+        if not group or group[0] is None:
+            continue
+        if laid_out_or_can_be(ctx, group, how):
+            continue
+        for r in group:
+            ti = param_info(ctx, r)
+            gathered += ti.numel() if ti is not None else 0
+    if gathered > activation_elems:
+        return (
+            f"parameters would be gathered in-graph every step ({gathered} elements, more than "
+            f"the {activation_elems} activation elements; keep_params, graph inputs or a shared "
+            "parameter prevent laying them out once)"
+        )
+    return None
+
+
+# -- recognising the calls ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class LinearCall:
+    """``linear(input, weight, bias)`` in canonical form."""
+
+    input: fx.Node
+    weight: Ref
+    bias: Ref
+
+
+def _arg(node: fx.Node, pos: int, name: str, default: Any = None) -> Any:
+    if len(node.args) > pos:
+        return node.args[pos]
+    return node.kwargs.get(name, default)
+
+
+def linear_call(node: fx.Node, ctx: RewriteContext) -> LinearCall | None:
+    """Recognise any spelling of a Linear."""
+    if node.op == "call_module":
+        mod = ctx.module(node)
+        if type(mod) is not nn.Linear or len(node.args) != 1 or node.kwargs:
+            return None
+        b = f"{node.target}.bias" if mod.bias is not None else None
+        x, w = node.args[0], f"{node.target}.weight"
+    elif node.op == "call_function" and node.target in LINEAR_FUNCTIONS:
+        x, w, b = _arg(node, 0, "input"), _arg(node, 1, "weight"), _arg(node, 2, "bias")
+        if not isinstance(w, fx.Node) or (b is not None and not isinstance(b, fx.Node)):
+            return None
+    else:
+        return None
+    if not isinstance(x, fx.Node):
+        return None
+    return LinearCall(x, w, b)
+
+
+def _signature(ctx: RewriteContext, lc: LinearCall) -> tuple[Any, ...] | None:
+    """(in, out, bias?, input info) if the call has static, consistent metadata."""
+    ti, wi = ctx.info(lc.input), param_info(ctx, lc.weight)
+    if ti is None or wi is None or not ti.static or ti.ndim == 0 or wi.ndim != 2:
+        return None
+    if not ti.dtype.is_floating_point or wi.dtype != ti.dtype or wi.device != ti.device:
+        return None
+    out_f, in_f = wi.shape
+    if ti.shape[-1] != in_f:
+        return None
+    if lc.bias is not None:
+        bi = param_info(ctx, lc.bias)
+        if bi is None or bi.shape != (out_f,) or bi.dtype != ti.dtype:
+            return None
+    return in_f, out_f, lc.bias is not None, ti
+
+
+def _combined(ctx: RewriteContext, refs: Sequence[Ref], how: str) -> fx.Node:
+    return ctx.params.combined([param_node(ctx, r) for r in refs], how)
+
+
+# -- same input --------------------------------------------------------------------------------
+@register
+class FuseLinearSameInput(HorizontalRule):
+    """N Linears reading one tensor -> one Linear over concatenated weights, split after."""
+
+    name = "parallel_linear_same_input"
+    family = "linear"
+
+    def key(self, node: fx.Node, ctx: RewriteContext) -> Hashable | None:
+        lc = linear_call(node, ctx)
+        if lc is None:
+            return None
+        sig = _signature(ctx, lc)
+        if sig is None:
+            return None
+        in_f, _, has_bias, ti = sig
+        return ("linear_same_input", lc.input, in_f, has_bias, ti.dtype, ti.device)
+
+    def refuse_reason(self, group: Sequence[fx.Node], ctx: RewriteContext) -> str | None:
+        if any(written_in_place(n) for n in group):
+            return "a member's result is written in place: it must stay its own tensor"
+        lcs: list[LinearCall] = [linear_call(n, ctx) for n in group]  # type: ignore[misc]
+        ti = ctx.info(lcs[0].input)
+        assert ti is not None
+        rows = ti.numel() // ti.shape[-1]
+        outs = sum(param_info(ctx, lc.weight).shape[0] for lc in lcs)  # type: ignore[union-attr]
+        acts = ti.numel() + rows * outs
+        return gather_cost_reason(
+            ctx, [[lc.weight for lc in lcs], [lc.bias for lc in lcs]], "cat", acts
+        )
+
+    def fuse(self, group: Sequence[fx.Node], ctx: RewriteContext) -> None:
+        lcs: list[LinearCall] = [linear_call(n, ctx) for n in group]  # type: ignore[misc]
+        w = _combined(ctx, [lc.weight for lc in lcs], "cat")
+        b = _combined(ctx, [lc.bias for lc in lcs], "cat") if lcs[0].bias is not None else None
+        y = ctx.call(F.linear, (lcs[0].input, w, b))
+        yi = ctx.info(y)
+        assert yi is not None
+        sizes = [param_info(ctx, lc.weight).shape[0] for lc in lcs]  # type: ignore[union-attr]
+        if len(set(sizes)) == 1:
+            # Equal widths: hand back unbind pieces of a (..., N, out) view, the layout a
+            # stacked LayerNorm or the next batched Linear reads without a copy.
+            y = ctx.call_method("unflatten", (y, -1, (len(group), sizes[0])))
+            g = Gathered(y, yi.ndim - 1, [1] * len(group), True, False)
+        else:
+            g = Gathered(y, yi.ndim - 1, sizes, False, False)
+        for member, out in zip(group, scatter(ctx, y, g)):
+            ctx.replace(member, out)
+        ctx.erase_if_dead(group)
+        self.fired(ctx, group, f"linear x{len(group)} over one input")
+
+
+# -- same-shaped inputs ------------------------------------------------------------------------
+@dataclass
+class _Batch:
+    """The members' inputs as one ``(N, B, in)`` node, with the members in its order."""
+
+    node: fx.Node
+    order: list[int]
+    copied: bool
+
+
+def _batched_view(inputs: Sequence[fx.Node], in_f: int) -> tuple[list[int], Any] | None:
+    """If the inputs are consecutive equal pieces of one tensor: (order, how to view it)."""
+    pieces = [piece_of(x) for x in inputs]
+    if any(p is None for p in pieces):
+        return None
+    first = pieces[0]
+    assert first is not None
+    if any(
+        p.base is not first.base or p.dim != first.dim or p.squeezed != first.squeezed  # type: ignore[union-attr]
+        for p in pieces
+    ):
+        return None
+    order = sorted(range(len(pieces)), key=lambda i: pieces[i].start)  # type: ignore[union-attr]
+    pos = pieces[order[0]].start  # type: ignore[union-attr]
+    for i in order:
+        p = pieces[i]
+        assert p is not None
+        if p.start != pos:
+            return None
+        pos += p.length
+    bi = meta.info(first.base)
+    if not isinstance(bi, meta.TensorInfo) or not bi.static:
+        return None
+    start = pieces[order[0]].start  # type: ignore[union-attr]
+    total = pos - start
+    if first.squeezed:
+        # unbind pieces of a 3-D tensor along dim 0 or 1: the member dim exists already.
+        if bi.ndim != 3 or first.dim not in (0, 1):
+            return None
+        return order, ("unbind", first.base, first.dim, start, total)
+    # split pieces of (B, N*in) along the feature dim: unflatten exposes the member dim.
+    if bi.ndim != 2 or first.dim != 1 or any(p.length != in_f for p in pieces):  # type: ignore[union-attr]
+        return None
+    return order, ("split", first.base, 1, start, total)
+
+
+def _batch_inputs(ctx: RewriteContext, inputs: Sequence[fx.Node], in_f: int) -> _Batch:
+    view = _batched_view(inputs, in_f)
+    if view is None:
+        return _Batch(ctx.call(torch.stack, (list(inputs), 0)), list(range(len(inputs))), True)
+    order, (kind, base, dim, start, total) = view
+    bi = meta.info(base)
+    x = base
+    if start != 0 or total != bi.shape[dim]:
+        x = ctx.call_method("narrow", (base, dim, start, total))
+    if kind == "split":
+        x = ctx.call_method("unflatten", (x, 1, (len(inputs), in_f)))  # (B, N, in)
+        dim = 1
+    if dim != 0:
+        x = ctx.call_method("transpose", (x, 0, 1))  # (N, B, in), a view
+    return _Batch(x, order, False)
+
+
+@register
+class FuseLinearBatched(HorizontalRule):
+    """N Linears on same-shaped 2-D inputs -> one ``baddbmm`` over ``(N, B, in)``."""
+
+    name = "parallel_linear_batched"
+    family = "linear"
+
+    def key(self, node: fx.Node, ctx: RewriteContext) -> Hashable | None:
+        lc = linear_call(node, ctx)
+        if lc is None:
+            return None
+        sig = _signature(ctx, lc)
+        if sig is None:
+            return None
+        in_f, out_f, has_bias, ti = sig
+        if ti.ndim != 2:
+            return None
+        return ("linear_batched", in_f, out_f, has_bias, ti.shape, ti.dtype, ti.device)
+
+    def refuse_reason(self, group: Sequence[fx.Node], ctx: RewriteContext) -> str | None:
+        if any(written_in_place(n) for n in group):
+            return "a member's result is written in place: it must stay its own tensor"
+        lcs: list[LinearCall] = [linear_call(n, ctx) for n in group]  # type: ignore[misc]
+        inputs = [lc.input for lc in lcs]
+        if len(set(inputs)) == 1:
+            return "all members read one input: one Linear over concatenated weights is cheaper"
+        ti = ctx.info(inputs[0])
+        wi = param_info(ctx, lcs[0].weight)
+        assert ti is not None and wi is not None
+        acts = len(group) * ti.shape[0] * (ti.shape[1] + wi.shape[0])
+        return gather_cost_reason(
+            ctx, [[lc.weight for lc in lcs], [lc.bias for lc in lcs]], "stack", acts
+        )
+
+    def fuse(self, group: Sequence[fx.Node], ctx: RewriteContext) -> None:
+        lcs: list[LinearCall] = [linear_call(n, ctx) for n in group]  # type: ignore[misc]
+        in_f = param_info(ctx, lcs[0].weight).shape[1]  # type: ignore[union-attr]
+        batch = _batch_inputs(ctx, [lc.input for lc in lcs], in_f)
+        group = [group[i] for i in batch.order]
+        lcs = [lcs[i] for i in batch.order]
+        n = len(group)
+        w = _combined(ctx, [lc.weight for lc in lcs], "stack")  # (N, out, in)
+        wt = ctx.call_method("transpose", (w, 1, 2))  # (N, in, out), a view
+        if lcs[0].bias is not None:
+            b = _combined(ctx, [lc.bias for lc in lcs], "stack")  # (N, out)
+            b3 = ctx.call_method("unsqueeze", (b, 1))  # (N, 1, out)
+            y = ctx.call(torch.baddbmm, (b3, batch.node, wt))
+        else:
+            y = ctx.call(torch.bmm, (batch.node, wt))
+        yt = ctx.call_method("transpose", (y, 0, 1))  # (B, N, out): the towers' layout
+        g = Gathered(yt, 1, [1] * n, True, batch.copied)
+        for member, out in zip(group, scatter(ctx, yt, g)):
+            ctx.replace(member, out)
+        ctx.erase_if_dead(group)
+        how = "stacked inputs" if batch.copied else "a view of one tensor"
+        self.fired(ctx, group, f"baddbmm x{n} over {how}")

@@ -1,0 +1,222 @@
+"""Embedding family: parallel lookups become one grouped lookup over one laid-out weight."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tests.passes.test_linear import check_equivalent, fired, forward_ops, refusals
+
+# In registration order (pointwise before embedding), as the default rule set runs them.
+RULES = ["parallel_unary", "cat_of_split", "parallel_embedding", "dedup", "dead_code"]
+
+
+@pytest.fixture(autouse=True)
+def _strict(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FXREC_STRICT", "1")
+
+
+class Tables(nn.Module):
+    """One lookup per feature column: ``ids[:, i]`` (cast per feature if ``cast``)."""
+
+    def __init__(
+        self, n: int, bag: bool = False, mode: str = "sum", cast: bool = True, **kw: Any
+    ) -> None:
+        super().__init__()
+        self.n, self.bag, self.cast = n, bag, cast
+        if bag:
+            self.t = nn.ModuleList(nn.EmbeddingBag(10 + i, 4, mode=mode, **kw) for i in range(n))
+        else:
+            self.t = nn.ModuleList(nn.Embedding(10 + i, 4, **kw) for i in range(n))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        cols = torch.unbind(ids, 1)
+        outs = []
+        for i in range(self.n):
+            x = cols[i]
+            outs.append(self.t[i](x.long() if self.cast else x))
+        return torch.cat(outs, 1)
+
+
+class ColumnTables(Tables):
+    """Columns read as ``ids[:, i]`` (selects): the casts need one cat to fuse."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.t[i](ids[:, i].long()) for i in range(self.n)], 1)
+
+
+class WeightedTables(Tables):
+    def forward(self, ids: torch.Tensor, psw: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return torch.cat([self.t[i](ids[:, i], None, psw[:, i]) for i in range(self.n)], 1)
+
+
+def _ids(n: int, *trailing: int) -> Any:
+    return lambda b: (torch.randint(0, 10, (b, n, *trailing), dtype=torch.int32),)
+
+
+def test_embeddings_with_casts_are_three_kernels() -> None:
+    opt = check_equivalent(lambda: Tables(6), _ids(6), rules=RULES)
+    assert fired(opt, "parallel_embedding") == 1
+    ops = forward_ops(opt, *_ids(6)(4))
+    # one cast, one offset add, one lookup; the model's cat of the pieces became a view
+    assert ops == {"aten::_to_copy": 1, "aten::add": 1, "aten::embedding": 1}
+
+
+@pytest.mark.parametrize("model", [Tables, ColumnTables])
+def test_kernel_count_does_not_grow_with_tables(model: type) -> None:
+    counts = []
+    for n in (4, 12):
+        opt = check_equivalent(lambda n=n: model(n), _ids(n), rules=RULES, steps=1)
+        counts.append(fxrec_count(opt, _ids(n)(4)))
+    assert counts[0] == counts[1]
+
+
+def fxrec_count(opt: Any, xs: tuple) -> tuple[int, int]:
+    import fxrec
+
+    k = fxrec.count_kernels(opt, *xs)
+    return k.forward, k.backward
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+def test_embedding_bags_2d(mode: str) -> None:
+    opt = check_equivalent(lambda: Tables(5, bag=True, mode=mode), _ids(5, 3), rules=RULES)
+    assert fired(opt, "parallel_embedding") == 1
+    assert forward_ops(opt, *_ids(5, 3)(4))["aten::_embedding_bag"] == 1
+
+
+def test_embedding_bags_with_per_sample_weights() -> None:
+    def inputs(b: int) -> tuple:
+        return torch.randint(0, 10, (b, 4, 3)), torch.rand(b, 4, 3)
+
+    opt = check_equivalent(lambda: WeightedTables(4, bag=True), inputs, rules=RULES)
+    assert fired(opt, "parallel_embedding") == 1
+
+
+class Jagged(nn.Module):
+    """1-D ids with offsets, one ``F.embedding_bag`` per feature (dynamo's inlined spelling)."""
+
+    def __init__(self, n: int, mode: str = "sum") -> None:
+        super().__init__()
+        self.mode = mode
+        self.w = nn.ParameterList(nn.Parameter(torch.randn(10 + i, 4)) for i in range(n))
+
+    def forward(self, feats: list[torch.Tensor]) -> torch.Tensor:
+        outs = []
+        for i, w in enumerate(self.w):
+            outs.append(F.embedding_bag(feats[2 * i], w, feats[2 * i + 1], mode=self.mode))
+        return torch.cat(outs, 1)
+
+
+def _jagged(n: int) -> Any:
+    def make(b: int) -> tuple:
+        feats = []
+        for _ in range(n):
+            lengths = torch.randint(0, 4, (b,))
+            feats.append(torch.randint(0, 10, (int(lengths.sum()),)))
+            feats.append(torch.cumsum(lengths, 0) - lengths)
+        return (feats,)
+
+    return make
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_jagged_bags_fuse(mode: str) -> None:
+    opt = check_equivalent(lambda: Jagged(6, mode), _jagged(6), rules=RULES)
+    assert fired(opt, "parallel_embedding") == 1
+    ops = forward_ops(opt, *_jagged(6)(4))
+    assert ops["aten::_embedding_bag"] == 1
+
+
+def test_few_jagged_bags_are_refused_by_cost() -> None:
+    opt = check_equivalent(lambda: Jagged(2), _jagged(2), rules=RULES)
+    assert fired(opt, "parallel_embedding") == 0
+    assert any("jagged" in r for r in refusals(opt, "parallel_embedding"))
+
+
+def test_shared_table_appears_once_in_the_combined_weight() -> None:
+    class Shared(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Embedding(10, 4), nn.Embedding(12, 4)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return torch.cat([self.a(ids[:, 0]), self.a(ids[:, 1]), self.b(ids[:, 2])], 1)
+
+    opt = check_equivalent(Shared, _ids(3), rules=RULES)
+    assert fired(opt, "parallel_embedding") == 1
+    (flat,) = list(opt.fxrec_fused.parameters())
+    assert flat.shape == (22, 4)
+
+
+@pytest.mark.parametrize("kw", [{"padding_idx": 0}, {"scale_grad_by_freq": True}])
+def test_special_lookups_are_left_alone(kw: dict) -> None:
+    opt = check_equivalent(lambda: Tables(3, **kw), _ids(3), rules=RULES)
+    assert fired(opt, "parallel_embedding") == 0
+
+
+def test_max_norm_lookups_are_left_alone() -> None:
+    """max_norm renormalises the table in place during the lookup."""
+    import fxrec
+
+    opt = fxrec.optimize(Tables(3, max_norm=1.0), _ids(3)(4), rules=RULES)
+    assert opt.fxrec_report.count("parallel_embedding") == 0
+
+
+def test_different_dims_and_dependent_lookups_not_fused() -> None:
+    class Odd(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Embedding(10, 4), nn.Embedding(10, 6)
+            self.c = nn.Embedding(10, 4)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            a = self.a(ids[:, 0])
+            c = self.c((a.sum(1) > 0).long())  # depends on a
+            return torch.cat([a, self.b(ids[:, 1]), c], 1)
+
+    opt = check_equivalent(Odd, lambda b: (torch.randint(0, 10, (b, 2)),), rules=RULES)
+    assert fired(opt, "parallel_embedding") == 0
+
+
+def test_in_place_user_is_refused() -> None:
+    class InPlace(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Embedding(10, 4), nn.Embedding(10, 4)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            a = self.a(ids[:, 0])
+            a.mul_(2)
+            return a + self.b(ids[:, 1])
+
+    opt = check_equivalent(InPlace, lambda b: (torch.randint(0, 10, (b, 2)),), rules=RULES)
+    assert fired(opt, "parallel_embedding") == 0
+
+
+def test_keep_params_large_tables_refused() -> None:
+    opt = check_equivalent(lambda: Tables(3), _ids(3), rules=RULES, keep_params=True)
+    assert fired(opt, "parallel_embedding") == 0
+    assert any("gathered in-graph" in r for r in refusals(opt, "parallel_embedding"))
+
+
+def test_sparse_gradients() -> None:
+    model = Tables(4, sparse=True)
+    import copy
+
+    import fxrec
+
+    ref = copy.deepcopy(model)
+    x = _ids(4)(6)[0]
+    opt = fxrec.optimize(model, (x,), rules=RULES)
+    assert opt.fxrec_report.count("parallel_embedding") == 1
+    (opt(x) ** 2).sum().backward()
+    (ref(x) ** 2).sum().backward()
+    (flat,) = list(opt.fxrec_fused.parameters())
+    assert flat.grad.is_sparse
+    dense = flat.grad.to_dense()
+    torch.testing.assert_close(dense, torch.cat([t.weight.grad.to_dense() for t in ref.t]))
