@@ -2,6 +2,19 @@
 
 from __future__ import annotations
 
-from fxrec.compile.backend import compile_backend
+from fxrec.compile.backend import compile_backend, fill_example_values
+from fxrec.compile.inductor import (
+    FxrecInductorPass,
+    inductor_fusion_options,
+    inductor_pass,
+    run_inductor_fusions,
+)
 
-__all__ = ["compile_backend"]
+__all__ = [
+    "FxrecInductorPass",
+    "compile_backend",
+    "fill_example_values",
+    "inductor_fusion_options",
+    "inductor_pass",
+    "run_inductor_fusions",
+]

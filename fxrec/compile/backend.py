@@ -1,8 +1,22 @@
 """``fxrec.compile_backend``: fxrec's rules on every graph dynamo hands a backend.
 
 Dynamo keeps what it is good at (guards, graph breaks, input/output plumbing); fxrec
-rewrites each graph, then hands it to an inner backend: ``"eager"`` runs the rewritten
-graph as is, ``"inductor"`` compiles it, or any other backend callable.
+rewrites each graph it is handed, then passes it to an inner backend: ``"eager"`` runs the
+rewritten graph as is, ``"inductor"`` compiles it, any other registered backend name
+(``"aot_eager"``...) or callable gets it next.
+
+What this guarantees:
+
+* No guards and no recompiles of fxrec's own: the rules run after dynamo has traced and
+  guarded the frame, on the graph it hands over, and return a graph with the same inputs
+  and outputs. A graph break gives two graphs; each is optimized on its own.
+* Symbolic sizes (``dynamic=True``): rules decide on metadata, and a symbolic size is not
+  a static one, so rules skip such candidates instead of baking a size in.
+* Parameters arrive as graph inputs (placeholders) when dynamo inlines modules: fused
+  weights are then gathered in the graph. ``fxrec.optimize`` passes ``model`` and ``owner``
+  so they become ``get_attr`` nodes laid out once instead.
+* Nodes a rule creates get dynamo's ``example_value`` (fake tensors in dynamo's own fake
+  mode), so inner backends that read it (Inductor's pre-grad passes) see a normal graph.
 """
 
 from __future__ import annotations
@@ -14,6 +28,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.fx.node import map_aggregate
 
 from fxrec.graph.capture import lift_params_to_attrs
 from fxrec.graph.optimize_graph import RuleSpec, optimize_graph, resolve_rules
@@ -22,7 +37,7 @@ from fxrec.graph.report import Report
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["compile_backend"]
+__all__ = ["Backend", "compile_backend", "fill_example_values"]
 
 Backend = Callable[[fx.GraphModule, list[Any]], Callable[..., Any]]
 
@@ -30,13 +45,72 @@ Backend = Callable[[fx.GraphModule, list[Any]], Callable[..., Any]]
 def _inner_backend(inner: str | Backend) -> Backend:
     if callable(inner):
         return inner
+    if not isinstance(inner, str):
+        raise ValueError(f"inner backend must be a backend name or a callable, not {inner!r}")
     if inner == "eager":
         return lambda gm, ex: gm.forward
     if inner == "inductor":
         from torch._inductor.compile_fx import compile_fx
 
         return compile_fx
-    raise ValueError(f"inner backend must be 'eager', 'inductor' or a callable, not {inner!r}")
+    from torch._dynamo.backends.registry import list_backends, lookup_backend
+
+    try:
+        return lookup_backend(inner)
+    except Exception as exc:  # dynamo raises its own InvalidBackend
+        known = ", ".join(["eager", "inductor", *list_backends(exclude_tags=())])
+        raise ValueError(
+            f"unknown inner backend {inner!r}; use a callable or one of: {known}"
+        ) from exc
+
+
+def _fake_mode(gm: fx.GraphModule) -> Any:
+    for node in gm.graph.nodes:
+        v = node.meta.get("example_value", node.meta.get("val"))
+        mode = getattr(v, "fake_mode", None)
+        if mode is not None:
+            return mode
+    return None
+
+
+def fill_example_values(gm: fx.GraphModule) -> int:
+    """Give nodes that rules created an ``example_value`` in the graph's own fake mode.
+
+    Runs only the nodes lacking one, on their inputs' fake values; symbolic sizes carry
+    through. A node whose value cannot be computed keeps none (nothing downstream needs
+    it to be correct). Returns how many nodes got one.
+    """
+    mode = _fake_mode(gm)
+    if mode is None:
+        return 0
+    filled = 0
+
+    def value(x: Any) -> Any:
+        if isinstance(x, fx.Node):
+            v = x.meta.get("example_value", x.meta.get("val"))
+            if v is None:
+                raise LookupError(x.name)
+            return v
+        return x
+
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_method") or "example_value" in node.meta:
+            continue
+        try:
+            args = map_aggregate(node.args, value)
+            kwargs = map_aggregate(node.kwargs, value)
+            with mode:
+                if node.op == "call_function":
+                    out = node.target(*args, **kwargs)
+                else:
+                    self_, *rest = args
+                    out = getattr(self_, node.target)(*rest, **kwargs)
+        except Exception as exc:  # e.g. an input that itself has no value: leave it
+            logger.debug("no example_value for %s: %s", node.name, exc)
+            continue
+        node.meta["example_value"] = out
+        filled += 1
+    return filled
 
 
 def compile_backend(
@@ -49,10 +123,12 @@ def compile_backend(
 ) -> Backend:
     """A ``torch.compile`` backend running fxrec's rules before ``inner``.
 
-    Usage: ``torch.compile(model, backend=fxrec.compile_backend())``. Parameters arrive as
-    graph inputs, so fused weights are gathered in-graph. ``fxrec.optimize`` passes
-    ``model`` and ``owner`` so that parameters become ``get_attr`` nodes and are laid out once.
-    The backend's ``report`` attribute accumulates what each graph got.
+    Usage: ``torch.compile(model, backend=fxrec.compile_backend())``, or
+    ``compile_backend("aot_eager")`` to check a rewrite without Inductor's C++ build.
+    ``rules`` picks rules by name, class or instance (default: every registered rule).
+    ``fxrec.optimize`` passes ``model`` and ``owner`` so that parameters become ``get_attr``
+    nodes and are laid out once. The backend's ``report`` attribute accumulates what each
+    graph got (one graph per graph break, per recompile).
     """
     inner_fn = _inner_backend(inner)
     rule_list = resolve_rules(rules)
@@ -64,6 +140,7 @@ def compile_backend(
             gm, keep = lift_params_to_attrs(gm, example_inputs, model)
         device = next((t.device.type for t in example_inputs if isinstance(t, torch.Tensor)), "cpu")
         optimize_graph(gm, rule_list, owner=owner, report=rep, device_type=device)
+        fill_example_values(gm)
         if keep is None:
             return inner_fn(gm, list(example_inputs))
         kept_inputs = [example_inputs[i] for i in keep]
