@@ -1,0 +1,25 @@
+"""Sharded embeddings on ``torch.distributed`` (gloo on CPU, NCCL on GPU, via torchrun).
+
+``shard(ebc)`` places an embedding collection's tables on ranks; ids and pooled embeddings
+travel by all-to-all, each written as a request and a wait so that the overlap pass
+(``rules=[..., "overlap_comm"]``) can run independent compute while they are in flight.
+"""
+
+from __future__ import annotations
+
+from fxrec.distributed.comm import CommError, CommStats, init_distributed, stats
+from fxrec.distributed.plan import ShardingPlan, TableSpec, greedy_plan
+from fxrec.distributed.sharded_ebc import ShardedEmbeddingBagCollection, shard, table_specs
+
+__all__ = [
+    "CommError",
+    "CommStats",
+    "ShardedEmbeddingBagCollection",
+    "ShardingPlan",
+    "TableSpec",
+    "greedy_plan",
+    "init_distributed",
+    "shard",
+    "stats",
+    "table_specs",
+]

@@ -1,0 +1,140 @@
+"""Process-group set-up, clear communication errors, and blocked-time accounting.
+
+Every collective fxrec issues goes through here so that
+
+* a peer that died or never arrived becomes a :class:`CommError` naming the operation and
+  the configured timeout, raised on the surviving ranks within that timeout (gloo and NCCL
+  enforce the process group's ``timeout``; we only translate their messages);
+* the time a rank spends *blocked* on communication (inside a wait, or in a synchronous
+  exchange) is accumulated in :data:`stats`, which is what the overlap benchmark reports.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "CommError",
+    "CommStats",
+    "blocked",
+    "default_backend",
+    "group_name",
+    "init_distributed",
+    "stats",
+]
+
+DEFAULT_TIMEOUT_S = 60.0
+
+
+class CommError(RuntimeError):
+    """A collective did not complete: a peer rank died, hung, or never reached this step."""
+
+
+@dataclass
+class CommStats:
+    """Seconds each kind of communication kept this rank blocked (since the last reset)."""
+
+    seconds: dict[str, float] = field(default_factory=dict)
+    calls: dict[str, int] = field(default_factory=dict)
+
+    def add(self, kind: str, dt: float) -> None:
+        self.seconds[kind] = self.seconds.get(kind, 0.0) + dt
+        self.calls[kind] = self.calls.get(kind, 0) + 1
+
+    def total(self) -> float:
+        return sum(self.seconds.values())
+
+    def reset(self) -> None:
+        self.seconds.clear()
+        self.calls.clear()
+
+
+stats = CommStats()
+
+
+_configured_timeout = DEFAULT_TIMEOUT_S
+
+
+@contextlib.contextmanager
+def blocked(kind: str, what: str) -> Iterator[None]:
+    """Time a blocking communication step and turn backend failures into :class:`CommError`."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    except CommError:
+        raise
+    except (RuntimeError, dist.DistError) as exc:
+        rank = dist.get_rank() if dist.is_initialized() else -1
+        raise CommError(
+            f"rank {rank}: {what} failed: {exc}. If a peer rank died, hung or never reached "
+            f"this step, this is raised after the process-group timeout "
+            f"({_configured_timeout:g} s); check the other ranks' logs."
+        ) from exc
+    finally:
+        stats.add(kind, time.perf_counter() - t0)
+
+
+def default_backend() -> str:
+    """NCCL when CUDA is available, gloo otherwise."""
+    return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+
+
+def init_distributed(
+    backend: str | None = None,
+    timeout: float | timedelta = DEFAULT_TIMEOUT_S,
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    init_method: str | None = None,
+) -> None:
+    """Initialise the default process group with a bounded timeout (torchrun env by default).
+
+    ``timeout`` bounds every collective and the rendezvous itself: a rank that never arrives
+    or dies makes the others raise :class:`CommError` after about that long, instead of
+    hanging forever (torch's default is 10-30 minutes).
+    """
+    global _configured_timeout
+    td = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
+    _configured_timeout = td.total_seconds()
+    if dist.is_initialized():
+        return
+    backend = backend or default_backend()
+    kwargs: dict = {"backend": backend, "timeout": td}
+    if rank is not None:
+        kwargs["rank"] = rank
+    if world_size is not None:
+        kwargs["world_size"] = world_size
+    if init_method is not None:
+        kwargs["init_method"] = init_method
+    elif "MASTER_ADDR" not in os.environ:
+        raise ValueError(
+            "init_distributed: no init_method and no MASTER_ADDR in the environment; launch "
+            "with torchrun or pass init_method='tcp://host:port'."
+        )
+    try:
+        dist.init_process_group(**kwargs)
+    except (RuntimeError, dist.DistError) as exc:
+        raise CommError(
+            f"process group did not form within {td.total_seconds():g} s: some rank never "
+            f"arrived (check that every rank was launched with the same world size and "
+            f"address). Backend said: {exc}"
+        ) from exc
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank())))
+
+
+def group_name(pg: dist.ProcessGroup | None = None) -> str:
+    """The name functional collectives use to find ``pg`` (default group if None)."""
+    pg = pg if pg is not None else dist.group.WORLD
+    return pg.group_name

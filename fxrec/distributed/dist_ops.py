@@ -1,0 +1,241 @@
+"""The embedding all-to-alls, each split into a *request* and a *wait*.
+
+These functions are ``torch.fx.wrap``-ped: symbolic tracing records each as one node, so a
+traced model shows every all-to-all as a request node and a wait node, and the overlap pass
+(:mod:`fxrec.passes.overlap`) can move compute between them. Each carries an attribute
+``_fxrec_comm`` ("request" or "wait") by which the pass recognises it.
+
+Ids (input dist): split sizes depend on the data, so a small synchronous exchange of counts
+comes first; the ids, lengths and weights then travel asynchronously (``async_op=True``,
+returning a :class:`IdsHandle` that holds the ``Work`` objects). Ids carry no gradient.
+
+Pooled embeddings (output dist): the traceable functional collective
+``torch.ops._c10d_functional.all_to_all_single`` + ``wait_tensor``. Its autograd formula is
+the reverse all-to-all (reversed split sizes), so gradients travel back to the owners.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.fx
+
+from fxrec.distributed.comm import CommError, blocked
+from fxrec.sparse import KeyedJaggedTensor, KeyedTensor
+
+__all__ = [
+    "IdsHandle",
+    "assemble_pooled",
+    "request_ids",
+    "request_pooled",
+    "wait_ids",
+    "wait_pooled",
+]
+
+
+@dataclass(frozen=True)
+class IdsLayout:
+    """Static description of the input dist (hashable constants, so it can sit in a graph).
+
+    ``send_keys``: every key the collection reads, owner-major (rank 0's keys first).
+    ``keys_per_rank``: how many of those keys each rank owns.
+    ``local_keys``: this rank's keys, in the order its local lookup expects.
+    """
+
+    send_keys: tuple[str, ...]
+    keys_per_rank: tuple[int, ...]
+    local_keys: tuple[str, ...]
+    group_name: str
+
+
+@dataclass
+class IdsHandle:
+    """An input dist in flight: buffers, the ``Work`` handles and every rank's batch size."""
+
+    layout: IdsLayout
+    works: list[Any]
+    values: torch.Tensor
+    lengths: torch.Tensor
+    weights: torch.Tensor | None
+    batch_sizes: list[int]  # rows each source rank sends (its local batch)
+    local_batch: int
+
+
+def _pg(name: str) -> dist.ProcessGroup:
+    return dist.distributed_c10d._resolve_process_group(name)
+
+
+def _owner_major(kjt: KeyedJaggedTensor, layout: IdsLayout) -> KeyedJaggedTensor:
+    if kjt.variable_stride_per_key():
+        raise ValueError(
+            "ShardedEmbeddingBagCollection needs one batch size for every key; got a variable "
+            f"batch per key {kjt.stride_per_key()}. Pad the batch to a common size."
+        )
+    index = {k: i for i, k in enumerate(kjt.keys())}
+    missing = [k for k in layout.send_keys if k not in index]
+    if missing:
+        raise ValueError(
+            f"input is missing features {missing} of the sharded collection (got keys {kjt.keys()})"
+        )
+    return kjt.permute([index[k] for k in layout.send_keys])
+
+
+@torch.fx.wrap
+def request_ids(kjt: KeyedJaggedTensor, layout: IdsLayout) -> IdsHandle:
+    """Start sending every key's ids to the rank that owns its table (returns at once)."""
+    pg = _pg(layout.group_name)
+    world = pg.size()
+    kjt = _owner_major(kjt, layout)
+    batch = kjt.stride()
+    lpk = kjt.length_per_key()
+    ids_to: list[int] = []
+    start = 0
+    for n in layout.keys_per_rank:
+        ids_to.append(sum(lpk[start : start + n]))
+        start += n
+    send_counts = torch.tensor([[c, batch] for c in ids_to], dtype=torch.int64)
+    recv_counts = torch.empty_like(send_counts)
+    with blocked("ids_counts", "exchange of id counts (input all-to-all)"):
+        dist.all_to_all_single(recv_counts, send_counts.flatten(), group=pg)
+    recv_counts = recv_counts.view(world, 2).tolist()
+    ids_from = [c for c, _ in recv_counts]
+    batch_sizes = [b for _, b in recv_counts]
+    me = pg.rank()
+    n_local = layout.keys_per_rank[me]
+    len_to = [n * batch for n in layout.keys_per_rank]
+    len_from = [n_local * b for b in batch_sizes]
+
+    values = kjt.values().new_empty(sum(ids_from))
+    lengths = kjt.lengths().new_empty(sum(len_from))
+    weights_in = kjt.weights_or_none()
+    weights = None if weights_in is None else weights_in.new_empty(sum(ids_from))
+    try:
+        works = [
+            dist.all_to_all_single(values, kjt.values(), ids_from, ids_to, group=pg, async_op=True),
+            dist.all_to_all_single(
+                lengths, kjt.lengths(), len_from, len_to, group=pg, async_op=True
+            ),
+        ]
+        if weights is not None:
+            works.append(
+                dist.all_to_all_single(
+                    weights, weights_in.detach(), ids_from, ids_to, group=pg, async_op=True
+                )
+            )
+    except (RuntimeError, dist.DistError) as exc:
+        raise CommError(f"rank {me}: could not start the ids all-to-all: {exc}") from exc
+    return IdsHandle(layout, works, values, lengths, weights, batch_sizes, batch)
+
+
+@torch.fx.wrap
+def wait_ids(handle: IdsHandle) -> KeyedJaggedTensor:
+    """Wait for the ids; return one KJT of this rank's keys over every rank's batch.
+
+    Rows are source-rank-major within each key (rank 0's batch, then rank 1's ...), which is
+    the row order the pooled output is sent back in.
+    """
+    with blocked("ids_wait", "ids all-to-all"):
+        for w in handle.works:
+            w.wait()
+    keys = list(handle.layout.local_keys)
+    nk = len(keys)
+    world = len(handle.batch_sizes)
+    total = sum(handle.batch_sizes)
+    if nk == 0:
+        return KeyedJaggedTensor(
+            [], handle.values, handle.weights, lengths=handle.lengths, stride=total
+        )
+    # Received blocks are (source rank, key); the lookup wants key-major over all rows.
+    staged = KeyedJaggedTensor(
+        [f"{r}/{k}" for r in range(world) for k in keys],
+        handle.values,
+        handle.weights,
+        lengths=handle.lengths,
+        stride_per_key=[b for b in handle.batch_sizes for _ in range(nk)],
+    )
+    order = [r * nk + k for k in range(nk) for r in range(world)]
+    perm = staged.permute(order)
+    return KeyedJaggedTensor(
+        keys, perm.values(), perm.weights_or_none(), lengths=perm.lengths(), stride=total
+    )
+
+
+@torch.fx.wrap
+def request_pooled(
+    pooled: torch.Tensor, handle: IdsHandle, dims_per_rank: tuple[int, ...]
+) -> torch.Tensor:
+    """Start sending each source rank its rows of this rank's pooled embeddings.
+
+    ``pooled`` is ``[sum of batches, local dims]``, rows source-rank-major. Returns the
+    receive buffer (not ready until :func:`wait_pooled`).
+    """
+    me = _pg(handle.layout.group_name).rank()
+    local_dim = dims_per_rank[me]
+    in_splits = [b * local_dim for b in handle.batch_sizes]
+    out_splits = [handle.local_batch * d for d in dims_per_rank]
+    flat = pooled.contiguous().view(-1)
+    if torch.is_grad_enabled() and not flat.requires_grad:
+        # Every rank must run the reverse all-to-all in backward, including one that owns no
+        # table (or only frozen ones): otherwise the others wait for it forever.
+        flat = flat.detach().requires_grad_()
+    try:
+        return torch.ops._c10d_functional.all_to_all_single(
+            flat, out_splits, in_splits, handle.layout.group_name
+        )
+    except (RuntimeError, dist.DistError) as exc:
+        raise CommError(f"rank {me}: could not start the pooled all-to-all: {exc}") from exc
+
+
+@torch.fx.wrap
+def wait_pooled(received: torch.Tensor) -> torch.Tensor:
+    """Wait for the pooled embeddings (gradient: identity; the request's autograd reverses)."""
+    with blocked("pooled_wait", "pooled-embedding all-to-all"):
+        return torch.ops._c10d_functional.wait_tensor(received)
+
+
+@torch.fx.wrap
+def assemble_pooled(
+    received: torch.Tensor,
+    handle: IdsHandle,
+    dims_per_rank: tuple[int, ...],
+    columns: tuple[tuple[int, int, int], ...],
+    keys: tuple[str, ...],
+    dims: tuple[int, ...],
+) -> KeyedTensor:
+    """Owner blocks -> the unsharded collection's ``[B, sum dims]`` in its key order.
+
+    ``columns[i] = (owner, start, width)``: key ``i``'s columns inside its owner's block.
+    """
+    b = handle.local_batch
+    blocks = list(torch.split(received, [b * d for d in dims_per_rank]))
+    blocks = [blk.view(b, d) for blk, d in zip(blocks, dims_per_rank)]
+    parts = [blocks[o].narrow(1, s, w) for o, s, w in columns]
+    values = torch.cat(parts, dim=1) if parts else received.new_zeros(b, 0)
+    return KeyedTensor(list(keys), list(dims), values)
+
+
+for _fn, _kind in (
+    (request_ids, "request"),
+    (wait_ids, "wait"),
+    (request_pooled, "request"),
+    (wait_pooled, "wait"),
+):
+    _fn._fxrec_comm = _kind  # type: ignore[attr-defined]
+
+
+def columns_of(
+    keys: Sequence[str], dims: Sequence[int], local_keys_per_rank: Sequence[Sequence[str]]
+) -> tuple[tuple[int, int, int], ...]:
+    """Where each key's pooled columns sit among the owner blocks (see :func:`assemble_pooled`)."""
+    dim_of = dict(zip(keys, dims))
+    where: dict[str, tuple[int, int, int]] = {}
+    for owner, lk in enumerate(local_keys_per_rank):
+        start = 0
+        for k in lk:
+            where[k] = (owner, start, dim_of[k])
+            start += dim_of[k]
+    return tuple(where[k] for k in keys)

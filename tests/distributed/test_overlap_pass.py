@@ -1,0 +1,293 @@
+"""The overlap rule: requests issued early, waits late, independent compute in between.
+
+Node order is checked on the fake process group (no data moves); values on a 1-rank gloo
+group (all-to-all is a copy) and, with the sharded collection, on 2 gloo ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+import fxrec
+from fxrec.graph.capture import capture_symbolic
+from fxrec.passes.overlap import OverlapComm, comm_kind, moved_ahead, schedule
+from tests.distributed.launch import run_ranks
+
+A2A = torch.ops._c10d_functional.all_to_all_single
+WAIT = torch.ops._c10d_functional.wait_tensor
+
+
+@pytest.fixture(autouse=True)
+def _strict(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FXREC_STRICT", "1")
+
+
+@pytest.fixture
+def fake_pg() -> Iterator[str]:
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        yield dist.group.WORLD.group_name
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture
+def gloo1() -> Iterator[str]:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD.group_name
+    finally:
+        dist.destroy_process_group()
+
+
+class DenseFirst(nn.Module):
+    """Dense tower written before the sparse exchange (TorchRec DLRM's order)."""
+
+    def __init__(self, group: str, world: int = 2) -> None:
+        super().__init__()
+        self.group, self.world = group, world
+        self.mlp = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+        self.emb = nn.EmbeddingBag(20, 4, mode="sum")
+        self.top = nn.Linear(8, 1)
+
+    def forward(self, dense: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        d = self.mlp(dense)
+        e = self.emb(ids)
+        splits = [e.shape[0] // self.world] * self.world
+        t = A2A(e, splits, splits, self.group)
+        w = WAIT(t)
+        return self.top(torch.cat([d, torch.tanh(w)], 1))
+
+
+def _names(gm: fx.GraphModule) -> list[str]:
+    return [n.name for n in gm.graph.nodes]
+
+
+def _optimized_graph(opt: fxrec.OptimizedModule) -> fx.GraphModule:
+    (gm,) = [r for r in opt._runners.values()]
+    return gm
+
+
+def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(4, 8), torch.randint(0, 20, (4, 3))
+
+
+def test_request_raised_wait_sunk_dense_between(fake_pg: str) -> None:
+    model = DenseFirst(fake_pg)
+    opt = fxrec.optimize(model, _inputs(), rules=["overlap_comm"], check=False)
+    names = _names(_optimized_graph(opt))
+    req, wait = names.index("all_to_all_single"), names.index("wait_tensor")
+    dense = [names.index(n) for n in ("mlp_0", "mlp_1", "mlp_2")]
+    assert names.index("emb") < req < min(dense) and max(dense) < wait
+    # the wait sits right before its first use
+    assert names[wait + 1] == "tanh"
+    assert opt.fxrec_report.count("overlap_comm") == 1
+    # written order before the pass: dense first, wait right after the request
+    before = _names(capture_symbolic(model))
+    assert before.index("mlp_2") < before.index("all_to_all_single")
+
+
+def test_not_in_the_default_rules(fake_pg: str) -> None:
+    opt = fxrec.optimize(DenseFirst(fake_pg), _inputs(), check=False)
+    assert opt.fxrec_report.count("overlap_comm") == 0
+
+
+def test_schedule_is_a_fixed_point(fake_pg: str) -> None:
+    gm = capture_symbolic(DenseFirst(fake_pg))
+    first = schedule(gm.graph)
+    assert first is not None
+    opt = fxrec.optimize(DenseFirst(fake_pg), _inputs(), rules=["overlap_comm"], check=False)
+    gm2 = _optimized_graph(opt)
+    assert schedule(gm2.graph) == list(gm2.graph.nodes)
+    assert opt.fxrec_report.passes <= 2
+
+
+def test_outputs_and_gradients_identical(gloo1: str) -> None:
+    torch.manual_seed(0)
+    model = DenseFirst(gloo1, world=1)
+    opt = fxrec.optimize(model, _inputs(), rules=["overlap_comm"])
+    assert opt.fxrec_report.count("overlap_comm") == 1
+    for _ in range(3):
+        dense, ids = _inputs()
+        ref = model(dense, ids)
+        ref.sum().backward()
+        ref_grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        got = opt(dense, ids)
+        got.sum().backward()
+        assert torch.equal(got, ref)
+        for g, p in zip(ref_grads, model.parameters()):
+            assert torch.equal(p.grad, g)
+        model.zero_grad()
+
+
+def test_memory_bound_refuses(fake_pg: str) -> None:
+    opt = fxrec.optimize(
+        DenseFirst(fake_pg), _inputs(), rules=[OverlapComm(max_extra_bytes=0)], check=False
+    )
+    gm = _optimized_graph(opt)
+    assert opt.fxrec_report.count("overlap_comm") == 0
+    assert any("MiB" in r.reason for r in opt.fxrec_report.refusals)
+    assert _names(gm) == _names(capture_symbolic(DenseFirst(fake_pg)))
+
+
+class TwoCollectives(nn.Module):
+    """Two exchanges and an in-place op: their written order is kept."""
+
+    def __init__(self, group: str) -> None:
+        super().__init__()
+        self.group = group
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        y.add_(1.0)  # mutation: a collective may not move above it
+        a = A2A(y * 2, [2, 2], [2, 2], self.group)
+        b = A2A(x + 1, [2, 2], [2, 2], self.group)
+        return h + WAIT(a) + WAIT(b)
+
+
+def test_side_effect_order_kept(fake_pg: str) -> None:
+    gm = capture_symbolic(TwoCollectives(fake_pg))
+    order = schedule(gm.graph)
+    names = [n.name for n in order]
+    reqs = [n.name for n in order if comm_kind(n) == "request"]
+    assert reqs == ["all_to_all_single", "all_to_all_single_1"]
+    assert names.index("add_") < names.index("all_to_all_single")
+    assert names.index("lin") < names.index("wait_tensor")
+
+
+def test_dynamo_graph_through_compile_backend(fake_pg: str) -> None:
+    seen: list[list[str]] = []
+
+    def inner(gm: fx.GraphModule, example_inputs: list) -> object:
+        seen.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
+        return gm.forward
+
+    backend = fxrec.compile_backend(inner, rules=["overlap_comm"])
+    torch._dynamo.reset()
+    compiled = torch.compile(DenseFirst(fake_pg), backend=backend, fullgraph=True)
+    compiled(*_inputs())
+    (targets,) = seen
+    req = next(i for i, t in enumerate(targets) if "all_to_all_single" in t)
+    wait = next(i for i, t in enumerate(targets) if "wait_tensor" in t)
+    linears = [i for i, t in enumerate(targets) if "linear" in t]
+    assert req < linears[0] and linears[1] < wait  # the two MLP linears moved into the window
+    assert backend.report.count("overlap_comm") == 1
+
+
+# -- property: on random graphs the schedule is valid, keeps effects ordered, is a fixed point
+@given(st.lists(st.integers(0, 5), min_size=2, max_size=14), st.randoms(use_true_random=False))
+def test_random_graphs_schedule_valid(ops: list[int], rnd) -> None:
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        _check_random_graph(ops, rnd, dist.group.WORLD.group_name)
+    finally:
+        dist.destroy_process_group()
+
+
+def _check_random_graph(ops: list[int], rnd, group: str) -> None:
+    g = fx.Graph()
+    vals = [g.placeholder("x"), g.placeholder("y")]
+    pending: list[fx.Node] = []
+    for op in ops:
+        a = rnd.choice(vals)
+        if op == 0:
+            vals.append(g.call_function(torch.tanh, (a,)))
+        elif op == 1:
+            vals.append(g.call_function(torch.add, (a, rnd.choice(vals))))
+        elif op == 2:
+            pending.append(g.call_function(A2A, (a, [2, 2], [2, 2], group)))
+        elif op == 3 and pending:
+            vals.append(g.call_function(WAIT, (pending.pop(rnd.randrange(len(pending))),)))
+        elif op == 4:
+            vals.append(g.call_method("mul_", (a, 2.0)))
+        else:
+            vals.append(g.call_function(torch.sigmoid, (a,)))
+    vals += [g.call_function(WAIT, (p,)) for p in pending]
+    g.output(tuple(vals[2:]) if len(vals) > 2 else vals[0])
+    old = list(g.nodes)
+    order = schedule(g)
+    if order is None:
+        return
+    pos = {n: i for i, n in enumerate(order)}
+    assert sorted(pos.values()) == list(range(len(old)))
+    for n in order:
+        assert all(pos[i] < pos[n] for i in n.all_input_nodes)
+    effects = [n for n in old if comm_kind(n) == "request" or str(n.target).endswith("_")]
+    assert sorted(effects, key=pos.__getitem__) == effects
+    # a wait that feeds no request comes after every node not depending on it ... or right
+    # before a user; and the schedule is a fixed point.
+    gm = fx.GraphModule(nn.Module(), g)
+    from fxrec.passes.overlap import _apply
+
+    _apply(gm.graph, order)
+    assert schedule(gm.graph) == order
+    assert moved_ahead(order, order) == []
+
+
+# -- the real thing: sharded collection + dense arch on 2 gloo ranks ------------------------
+class TinyDLRM(nn.Module):
+    def __init__(self, sparse: nn.Module, width: int) -> None:
+        super().__init__()
+        self.dense = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 8))
+        self.sparse = sparse
+        self.over = nn.Linear(8 + width, 1)
+
+    def forward(self, dense: torch.Tensor, features) -> torch.Tensor:
+        d = self.dense(dense)  # dense first, as TorchRec's DLRM
+        kt = self.sparse(features)
+        return self.over(torch.cat([d, kt.values()], 1))
+
+
+def _dlrm_overlapped(rank: int, world: int) -> None:
+    from fxrec.distributed import shard
+    from tests.distributed.test_sharded_ebc import make_batch, make_ebc
+
+    ebc = make_ebc(n_tables=4)
+    torch.manual_seed(5)
+    model = TinyDLRM(
+        shard(ebc), sum(c.embedding_dim * len(c.feature_names) for c in ebc.embedding_bag_configs())
+    )
+    batch = 4 + rank
+    kjt = make_batch(ebc, rank, batch, False)
+    dense = torch.randn(batch, 6, generator=torch.Generator().manual_seed(rank))
+    opt = fxrec.optimize(model, (dense, kjt), rules=["overlap_comm"])
+    assert opt.fxrec_report.count("overlap_comm") == 1, str(opt.fxrec_report)
+    gm = _optimized_graph(opt)
+    names = [n.name for n in gm.graph.nodes]
+    kinds = {n.name: comm_kind(n) for n in gm.graph.nodes}
+    req_pooled = max(i for i, n in enumerate(names) if kinds[n] == "request")
+    wait_pooled = max(i for i, n in enumerate(names) if kinds[n] == "wait")
+    dense_nodes = [names.index(f"dense_{i}") for i in range(3)]
+    assert req_pooled < min(dense_nodes) and max(dense_nodes) < wait_pooled
+
+    for step in range(2):
+        kjt = make_batch(ebc, rank + 10 * step, batch, False)
+        ref = model(dense, kjt)
+        ref.sum().backward()
+        ref_grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+        model.zero_grad()
+        got = opt(dense, kjt)
+        got.sum().backward()
+        assert torch.equal(got, ref)
+        for k, p in model.named_parameters():
+            assert torch.equal(p.grad, ref_grads[k]), k
+        model.zero_grad()
+
+
+@pytest.mark.distributed
+def test_overlap_on_two_gloo_ranks() -> None:
+    run_ranks(2, _dlrm_overlapped)

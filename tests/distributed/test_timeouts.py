@@ -1,0 +1,60 @@
+"""A rank that dies or never arrives makes the others fail with a clear CommError within the
+configured timeout, never a hang."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fxrec.distributed import CommError, init_distributed
+from fxrec.distributed.comm import blocked
+from tests.distributed.launch import free_port, run_ranks
+
+pytestmark = pytest.mark.distributed
+
+TIMEOUT = 1.5
+
+
+def _one_rank_absent(rank: int, world: int, die: bool) -> None:
+    if rank == 1:
+        if die:
+            os._exit(3)  # crashes without a word
+        time.sleep(TIMEOUT + 3)  # alive but never reaches the collective
+        return
+    t0 = time.monotonic()
+    out = torch.empty(2)
+    with (
+        pytest.raises(CommError, match="rank 0: ids exchange failed"),
+        blocked("test", "ids exchange"),
+    ):
+        dist.all_to_all_single(out, torch.ones(2))
+    assert time.monotonic() - t0 < TIMEOUT + 2.0
+
+
+def test_rank_that_never_arrives_times_out() -> None:
+    run_ranks(2, _one_rank_absent, False, timeout=TIMEOUT, deadline=30)
+
+
+def test_rank_that_dies_fails_the_others() -> None:
+    # rank 1 exits with status 3 mid-run; rank 0 must get its CommError (a failure of rank 0
+    # would be reported as "rank 0 failed" instead).
+    with pytest.raises(AssertionError, match=r"exited abnormally: \[\(1, 3\)\]"):
+        run_ranks(2, _one_rank_absent, True, timeout=TIMEOUT, deadline=30)
+
+
+def test_rendezvous_without_peers_times_out() -> None:
+    t0 = time.monotonic()
+    with pytest.raises(CommError, match="never arrived"):
+        init_distributed(
+            "gloo",
+            timeout=TIMEOUT,
+            rank=0,
+            world_size=2,
+            init_method=f"tcp://127.0.0.1:{free_port()}",
+        )
+    assert time.monotonic() - t0 < TIMEOUT + 5.0
+    assert not dist.is_initialized()
