@@ -1,0 +1,349 @@
+"""Train pipelines: the plain one, and one that prepares batch i+1 while batch i trains.
+
+:class:`TrainPipelineBase` does, per batch: host preparation (``host_fn``, e.g. the packer of
+:func:`fxrec.passes.combine_inputs.combine_inputs`), copy to the device, forward, backward,
+optimizer step. :class:`TrainPipelineSparseDist` does the same arithmetic in the same order
+(same losses, same parameters), but a background thread reads, prepares and copies the next
+batches (on CUDA on its own stream) into a bounded queue, and, when the model holds a
+:class:`~fxrec.distributed.ShardedEmbeddingBagCollection`, the next batch's ids are already
+sent to their owners by all-to-all while this batch runs its backward.
+
+Failures: an exception from the data loader, from preparing or copying a batch, or from its
+forward/backward/step is raised in the caller as :class:`PipelineError` with the batch's
+index (0-based, counting every batch drawn). That batch is skipped; calling
+:meth:`~TrainPipelineBase.progress` again continues with the next batch, and
+:meth:`~TrainPipelineBase.close` (or leaving a ``with`` block) stops the background thread.
+No call waits forever: queue operations poll a stop flag, and collectives are bounded by
+the process group's timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fxrec.train.batch import Batch
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["PipelineError", "PipelineStats", "TrainPipelineBase", "TrainPipelineSparseDist"]
+
+
+class PipelineError(RuntimeError):
+    """A batch failed; ``batch_index`` says which, ``__cause__`` says why."""
+
+    def __init__(self, batch_index: int, stage: str, cause: BaseException) -> None:
+        super().__init__(
+            f"batch {batch_index} failed while {stage}: {type(cause).__name__}: {cause}. "
+            "The batch was skipped; call progress() again to continue, or close() to stop."
+        )
+        self.batch_index = batch_index
+        self.stage = stage
+
+
+@dataclass
+class PipelineStats:
+    """Counters a benchmark reads. ``host_s``: time preparing and copying batches."""
+
+    steps: int = 0
+    failed: int = 0
+    host_s: float = 0.0
+    copies: int = 0
+
+
+def bce_loss(output: Any, batch: Batch) -> torch.Tensor:
+    """Default loss: binary cross-entropy on logits (ranking models' click target)."""
+    logits = output[0] if isinstance(output, (tuple, list)) else output
+    return F.binary_cross_entropy_with_logits(
+        logits.reshape(-1), batch.labels.reshape(-1).to(logits.dtype)
+    )
+
+
+class TrainPipelineBase:
+    """Copy batch to device, forward, backward, optimizer step; one batch at a time.
+
+    Args:
+        model: called as ``model(batch.dense, batch.sparse)`` for a :class:`Batch` (any other
+            batch: ``model(batch)``, which must return the loss or ``(loss, ...)``).
+        optimizer: stepped once per batch (``zero_grad`` before each forward).
+        device: where batches go (default: the model's parameters' device).
+        loss_fn: ``loss_fn(output, batch) -> loss`` for :class:`Batch` inputs (default BCE).
+        host_fn: host-side preparation applied to each batch before the copy (e.g. packing
+            sparse features); its time is counted in ``stats.host_s``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device | str | None = None,
+        *,
+        loss_fn: Callable[[Any, Batch], torch.Tensor] = bce_loss,
+        host_fn: Callable[[Any], Any] | None = None,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        if device is None:
+            p = next(iter(model.parameters()), None)
+            device = p.device if p is not None else "cpu"
+        self.device = torch.device(device)
+        self.loss_fn = loss_fn
+        self.host_fn = host_fn
+        self.stats = PipelineStats()
+        self._index = 0  # next batch index to draw
+        self._closed = False
+
+    # -- pieces shared by both pipelines -----------------------------------------------------
+    def _prepare(self, item: Any, non_blocking: bool = False) -> Any:
+        t0 = time.perf_counter()
+        if self.host_fn is not None:
+            item = self.host_fn(item)
+        if non_blocking and hasattr(item, "pin_memory"):
+            item = item.pin_memory()  # page-locked memory: the stream's copy is asynchronous
+        if isinstance(item, Batch):
+            self.stats.copies += item.transfer_count()
+        moved = item.to(self.device, non_blocking=non_blocking) if hasattr(item, "to") else item
+        self.stats.host_s += time.perf_counter() - t0
+        return moved
+
+    def _forward(self, batch: Any) -> torch.Tensor:
+        if isinstance(batch, Batch):
+            return self.loss_fn(self.model(batch.dense, batch.sparse), batch)
+        out = self.model(batch)
+        return out[0] if isinstance(out, (tuple, list)) else out
+
+    def _backward_step(self, loss: torch.Tensor) -> None:
+        loss.backward()
+        self.optimizer.step()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this pipeline is closed; build a new one to train further.")
+
+    # -- public API --------------------------------------------------------------------------
+    def progress(self, dataloader_iter: Iterator[Any]) -> torch.Tensor:
+        """Train on the next batch; return its loss (detached). ``StopIteration`` at the end."""
+        self._check_open()
+        index = self._index
+        self._index += 1
+        try:
+            item = next(dataloader_iter)
+        except StopIteration:
+            self._index -= 1
+            raise
+        except Exception as exc:
+            self.stats.failed += 1
+            raise PipelineError(index, "reading it from the data loader", exc) from exc
+        try:
+            batch = self._prepare(item)
+        except Exception as exc:
+            self.stats.failed += 1
+            raise PipelineError(index, "preparing and copying it", exc) from exc
+        return self._train(index, batch)
+
+    def _train(
+        self, index: int, batch: Any, after_forward: Callable[[], None] | None = None
+    ) -> torch.Tensor:
+        self.optimizer.zero_grad(set_to_none=True)
+        try:
+            loss = self._forward(batch)
+            if after_forward is not None:
+                after_forward()
+            self._backward_step(loss)
+        except PipelineError:
+            raise
+        except Exception as exc:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.stats.failed += 1
+            raise PipelineError(index, "training on it", exc) from exc
+        self.stats.steps += 1
+        return loss.detach()
+
+    def run(self, batches: Iterable[Any], max_steps: int | None = None) -> list[float]:
+        """Train on ``batches`` (at most ``max_steps``); the losses. Stops at the first error."""
+        it = iter(batches)
+        losses: list[float] = []
+        while max_steps is None or len(losses) < max_steps:
+            try:
+                losses.append(float(self.progress(it)))
+            except StopIteration:
+                break
+        return losses
+
+    def close(self) -> None:
+        self._closed = True
+
+    def __enter__(self) -> TrainPipelineBase:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+_END = object()
+
+
+class TrainPipelineSparseDist(TrainPipelineBase):
+    """Like :class:`TrainPipelineBase`, with batch i+1's reading, preparation, copy and id
+    all-to-all overlapping batch i's training. Same losses and parameters as the base.
+
+    Args (beyond the base's):
+        prefetch: batches prepared ahead (the queue bound, >= 1).
+        poll_s: how often blocked queue operations re-check for ``close()``.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device | str | None = None,
+        *,
+        loss_fn: Callable[[Any, Batch], torch.Tensor] = bce_loss,
+        host_fn: Callable[[Any], Any] | None = None,
+        prefetch: int = 2,
+        poll_s: float = 0.05,
+    ) -> None:
+        super().__init__(model, optimizer, device, loss_fn=loss_fn, host_fn=host_fn)
+        if prefetch < 1:
+            raise ValueError(f"prefetch must be at least 1, got {prefetch}")
+        self.prefetch = prefetch
+        self.poll_s = poll_s
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=prefetch)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._source: Iterator[Any] | None = None
+        self._next: tuple[int, Any, BaseException | None, str] | None = None
+        self._stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
+        from fxrec.train.sparse_dist import InputDist
+
+        self._input_dist = InputDist(model)
+
+    # -- the producer thread -------------------------------------------------------------------
+    def _produce(self, source: Iterator[Any]) -> None:
+        index = 0
+        while not self._stop.is_set():
+            try:
+                item = next(source)
+            except StopIteration:
+                self._put(_END)
+                return
+            except Exception as exc:
+                self._put((index, None, exc, "reading it from the data loader"))
+                index += 1
+                continue
+            try:
+                if self._stream is not None:
+                    with torch.cuda.stream(self._stream):
+                        batch = self._prepare(item, non_blocking=True)
+                        event = torch.cuda.Event()
+                        event.record(self._stream)
+                    self._put((index, (batch, event), None, ""))
+                else:
+                    self._put((index, self._prepare(item), None, ""))
+            except Exception as exc:
+                self._put((index, None, exc, "preparing and copying it"))
+            index += 1
+
+    def _put(self, entry: Any) -> None:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(entry, timeout=self.poll_s)
+                return
+            except queue.Full:
+                continue
+
+    def _get(self) -> Any:
+        while True:
+            try:
+                return self._queue.get(timeout=self.poll_s)
+            except queue.Empty:
+                if self._stop.is_set():
+                    return _END  # closed (from another thread): no more batches
+                if self._thread is None or not self._thread.is_alive():
+                    # the producer ended (closed, or died in a way it could not report)
+                    try:
+                        return self._queue.get_nowait()
+                    except queue.Empty:
+                        return _END
+
+    def _start(self, source: Iterator[Any]) -> None:
+        self._source = source
+        self._thread = threading.Thread(
+            target=self._produce, args=(source,), name="fxrec-pipeline-copy", daemon=True
+        )
+        self._thread.start()
+
+    def _take(self) -> tuple[int, Any, BaseException | None, str] | None:
+        entry = self._get()
+        if entry is _END:
+            return None
+        index, payload, exc, stage = entry
+        if exc is None and self._stream is not None:
+            batch, event = payload
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(event)
+            if isinstance(batch, Batch):
+                batch.record_stream(current)
+            payload = batch
+        return index, payload, exc, stage
+
+    # -- public API ----------------------------------------------------------------------------
+    def progress(self, dataloader_iter: Iterator[Any]) -> torch.Tensor:
+        self._check_open()
+        if self._source is None:
+            self._start(dataloader_iter)
+        elif dataloader_iter is not self._source:
+            raise ValueError(
+                "TrainPipelineSparseDist reads ahead from the iterator of its first progress() "
+                "call; keep passing that iterator (or build a new pipeline for a new one)."
+            )
+        current = self._next if self._next is not None else self._take()
+        self._next = None
+        if current is None:
+            raise StopIteration
+        index, batch, exc, stage = current
+        self._index = index + 1
+        if exc is not None:
+            self.stats.failed += 1
+            self._input_dist.discard()
+            raise PipelineError(index, stage, exc) from exc
+        self._input_dist.probe(batch)
+
+        def start_next() -> None:
+            # Between forward(i) and backward(i): take batch i+1 and send its ids now.
+            self._next = self._take()
+            if self._next is not None and self._next[2] is None:
+                try:
+                    self._input_dist.start(self._next[1])
+                except Exception as err:  # a bad next batch fails as itself, not as batch i
+                    nxt = self._next
+                    self._next = (nxt[0], None, err, "sending its ids to their owners")
+
+        return self._train(index, batch, after_forward=start_next)
+
+    def close(self) -> None:
+        """Stop the background thread (promptly) and drop prepared batches."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=max(1.0, 20 * self.poll_s))
+            if self._thread.is_alive():
+                logger.warning(
+                    "fxrec pipeline: the data loader is still blocked inside next(); its "
+                    "thread is a daemon and will not keep the process alive"
+                )
+        while not self._queue.empty():
+            self._queue.get_nowait()
+        self._input_dist.discard()
+        self._input_dist.restore()

@@ -1,0 +1,149 @@
+"""Send batch i+1's ids to their owning ranks while batch i is still training.
+
+For each :class:`~fxrec.distributed.ShardedEmbeddingBagCollection` in the model, the first
+batch is run normally while a forward pre-hook checks that the collection receives the
+batch's own sparse object (``batch.sparse`` or one element of it, unmodified). If it does, its ``forward`` is
+swapped, on that instance only, for one that consumes ids already requested by
+:meth:`InputDist.start` (TorchRec's pipelines rewrite the sharded modules' forwards the same
+way). If it does not (the model transforms the features first, or the collection sits inside
+a captured graph that no longer calls the module), the collection keeps requesting its own
+ids in its forward and the pipeline only overlaps the reading and copying of batches.
+
+Every rank runs the same program, so every rank issues the id all-to-alls in the same order.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["InputDist"]
+
+
+def _sharded_modules(model: nn.Module) -> list[nn.Module]:
+    try:
+        from fxrec.distributed.sharded_ebc import ShardedEmbeddingBagCollection
+    except ImportError:  # torch.distributed unavailable
+        return []
+    return [m for m in model.modules() if isinstance(m, ShardedEmbeddingBagCollection)]
+
+
+class InputDist:
+    """Early id all-to-alls for the sharded collections of ``model`` (see the module doc)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.modules = _sharded_modules(model)
+        self.enabled: list[nn.Module] = []
+        self._probed = not self.modules
+        self._pending: dict[int, tuple[Any, Any]] = {}  # id(module) -> (features, handle)
+        self._where: dict[int, int] = {}  # id(module) -> which part of batch.sparse it reads
+
+    def probe(self, batch: Any) -> None:
+        """On the first batch: find the collections that receive ``batch.sparse`` itself."""
+        if self._probed:
+            return
+        self._probed = True
+        sparse = getattr(batch, "sparse", None)
+        # the sparse object itself, or one element of a tuple/list of them
+        parts = list(sparse) if isinstance(sparse, (tuple, list)) else [sparse]
+        seen: dict[int, int | None] = {}
+
+        def hook(mod: nn.Module, args: tuple) -> None:
+            where = [i for i, p in enumerate(parts) if args and args[0] is p]
+            seen[id(mod)] = where[0] if where else None
+
+        handles = [m.register_forward_pre_hook(hook) for m in self.modules]
+        self._restore_hooks = handles
+        self._seen = seen
+
+    def _finish_probe(self) -> None:
+        handles = getattr(self, "_restore_hooks", None)
+        if handles is None:
+            return
+        for h in handles:
+            h.remove()
+        self._restore_hooks = None
+        for m in self.modules:
+            where = self._seen.get(id(m))
+            if where is not None:
+                self._install(m)
+                self.enabled.append(m)
+                self._where[id(m)] = where
+            else:
+                logger.info(
+                    "fxrec pipeline: %s does not receive the batch's sparse features as they "
+                    "are; its ids are sent in its own forward (no early all-to-all)",
+                    type(m).__name__,
+                )
+
+    def _install(self, m: nn.Module) -> None:
+        from fxrec.distributed import dist_ops
+        from fxrec.distributed.sharded_ebc import as_kjt
+
+        original = m.forward
+        pending = self._pending
+
+        def forward(features: Any) -> Any:
+            entry = pending.pop(id(m), None)
+            if entry is None or entry[0] is not features:
+                if entry is not None:
+                    _drain(entry[1])
+                return original(features)
+            return _forward_from_ids(m, entry[1])
+
+        m.forward = forward  # type: ignore[method-assign]
+        m._fxrec_pipeline_forward = (original, as_kjt, dist_ops)  # type: ignore[attr-defined]
+
+    def start(self, batch: Any) -> None:
+        """Request batch's ids for every enabled collection (call between forward and backward)."""
+        self._finish_probe()
+        if not self.enabled:
+            return
+        from fxrec.distributed import dist_ops
+        from fxrec.distributed.sharded_ebc import as_kjt
+
+        sparse = batch.sparse
+        parts = list(sparse) if isinstance(sparse, (tuple, list)) else [sparse]
+        for m in self.enabled:
+            stale = self._pending.pop(id(m), None)
+            if stale is not None:
+                _drain(stale[1])
+            features = parts[self._where[id(m)]]
+            self._pending[id(m)] = (features, dist_ops.request_ids(as_kjt(features), m._layout))
+
+    def discard(self) -> None:
+        """Drop ids requested for a batch that will not run (wait so buffers are released)."""
+        self._finish_probe()
+        for _, handle in list(self._pending.values()):
+            _drain(handle)
+        self._pending.clear()
+
+    def restore(self) -> None:
+        """Give every collection its own forward back."""
+        for m in self.enabled:
+            saved = getattr(m, "_fxrec_pipeline_forward", None)
+            if saved is not None:
+                del m.forward
+                del m._fxrec_pipeline_forward
+        self.enabled = []
+
+
+def _drain(handle: Any) -> None:
+    for w in getattr(handle, "works", ()):
+        w.wait()
+
+
+def _forward_from_ids(m: nn.Module, handle: Any) -> Any:
+    """The collection's forward, from an ids request already in flight."""
+    from fxrec.distributed import dist_ops
+    from fxrec.distributed.sharded_ebc import _lookup
+
+    local = dist_ops.wait_ids(handle)
+    pooled = _lookup(m.embedding_bags_local, local, m._dims_per_rank[m.rank])
+    sent = dist_ops.request_pooled(pooled, handle, m._dims_per_rank)
+    received = dist_ops.wait_pooled(sent)
+    return dist_ops.assemble_pooled(received, handle, m._dims_per_rank, m._columns, m.keys, m.dims)

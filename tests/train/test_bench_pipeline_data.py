@@ -1,0 +1,79 @@
+"""The pipeline benchmark compares KJT and TensorDict input on the same data: check that the
+two loaders collate identical features, and that the goal verdicts follow the figures."""
+
+from __future__ import annotations
+
+import torch
+
+from fxrec.bench.pipeline import QUICK, _goals, _Loader, make_dataset
+from fxrec.sparse import kjt_from_tensordict
+
+
+def small_cfg():
+    return QUICK.__class__(
+        **{
+            **QUICK.__dict__,
+            "tables": 6,
+            "weighted_tables": 2,
+            "batch": 16,
+            "rows": 50,
+            "distinct_batches": 2,
+        }
+    )
+
+
+def test_kjt_and_tensordict_loaders_carry_the_same_features():
+    cfg = small_cfg()
+    keys, wkeys, raws = make_dataset(cfg, seed=3)
+    kjt_batches = _Loader(keys, wkeys, raws, "kjt")
+    td_batches = _Loader(keys, wkeys, raws, "td")
+    for _ in range(3):  # cycles past the distinct batches
+        a, b = next(kjt_batches), next(td_batches)
+        assert torch.equal(a.dense, b.dense) and torch.equal(a.labels, b.labels)
+        for kjt, td, weighted in zip(a.sparse, b.sparse, (False, True)):
+            conv = kjt_from_tensordict(td)
+            assert conv.keys() == kjt.keys()
+            assert torch.equal(conv.values(), kjt.values())
+            assert torch.equal(conv.lengths(), kjt.lengths())
+            assert (kjt.weights_or_none() is not None) == weighted
+            if weighted:
+                assert torch.equal(conv.weights(), kjt.weights())
+    assert kjt_batches.host_s > 0 and td_batches.host_s > 0
+
+
+def test_ids_per_feature_are_skewed_and_in_range():
+    cfg = small_cfg()
+    _, _, raws = make_dataset(cfg, seed=0)
+    raw = raws[0]
+    per_feature = [int(ln.sum()) for ln in raw.lengths]
+    assert max(per_feature) > 3 * min(per_feature)  # heavy and light features
+    for ids, ln in zip(raw.ids, raw.lengths):
+        assert ids.numel() == int(ln.sum())
+        assert ids.numel() == 0 or (int(ids.min()) >= 0 and int(ids.max()) < cfg.rows)
+    # Zipf ids: the most frequent row is far more frequent than the median row
+    counts = torch.bincount(torch.cat(raw.ids), minlength=cfg.rows).float()
+    assert counts.max() > 5 * counts.median().clamp(min=1)
+
+
+def test_goal_verdicts_follow_the_throughputs():
+    def row(p, i, f, thr):
+        return {"pipeline": p, "input": i, "fxrec": f, "throughput": thr}
+
+    sd, bs = "TrainPipelineSparseDist", "TrainPipelineBase"
+    rows = [
+        row(sd, "kjt", "on", 100.0),
+        row(sd, "td", "on", 99.0),
+        row(sd, "kjt", "off", 100.0),
+        row(sd, "td", "off", 90.0),
+        row(bs, "kjt", "on", 80.0),
+        row(bs, "td", "on", 120.0),
+        row(bs, "kjt", "off", 90.0),
+        row(bs, "td", "off", 70.0),
+    ]
+    got = {g["goal"]: g["met"] for g in _goals(rows)}
+    assert got[f"TD within 2% of KJT throughput ({sd}, fxrec on)"] is True
+    assert got[f"TD within 2% of KJT throughput ({sd}, fxrec off)"] is False
+    assert got[f"{sd} faster than {bs} (kjt, fxrec on)"] is True
+    assert got[f"{sd} faster than {bs} (td, fxrec on)"] is False
+    assert got[f"fxrec on faster than off ({bs}, kjt)"] is False
+    assert got[f"fxrec on faster than off ({sd}, td)"] is True

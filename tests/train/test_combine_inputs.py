@@ -1,0 +1,285 @@
+"""combine_inputs: the rewritten model computes the same outputs and gradients from ONE
+CombinedFeatures, its graph starts with one permute_and_split, and the packer round-trips."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import fxrec
+from fxrec.passes.combine_inputs import combine_inputs
+from fxrec.sparse import CombinedFeatures, JaggedTensor, KeyedJaggedTensor, kjt_to_tensordict
+from fxrec.train import transfer_count
+from tests.train.helpers import NUM_EMB, TinyRanker, make_kjt
+
+PS = torch.ops.fxrec.permute_and_split.default
+
+
+@pytest.fixture(autouse=True)
+def _strict(monkeypatch):
+    monkeypatch.setenv("FXREC_STRICT", "1")
+
+
+def n_split_nodes(gm) -> int:
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target is PS)
+
+
+def first_compute_node(gm):
+    skip = {"placeholder", "get_attr"}
+    return next(
+        n
+        for n in gm.graph.nodes
+        if n.op not in skip and not (n.op == "call_function" and n.target is getattr)
+    )
+
+
+class PerFeatureTensors(nn.Module):
+    """forward(dense, ids_0, len_0[, w_0], ids_1, ...): the layout the pass exists for."""
+
+    def __init__(self, weighted: list[bool]) -> None:
+        super().__init__()
+        self.weighted = weighted
+        self.bags = nn.ModuleList(nn.EmbeddingBag(NUM_EMB, 3, mode="sum") for _ in weighted)
+        self.over = nn.Linear(2 + 3 * len(weighted), 1)
+
+    def forward(self, dense, *sparse):
+        parts, i = [dense], 0
+        for f, w in enumerate(self.weighted):
+            ids, lens = sparse[i], sparse[i + 1]
+            psw = sparse[i + 2] if w else None
+            i += 3 if w else 2
+            offsets = torch.cumsum(lens, 0) - lens
+            parts.append(self.bags[f](ids, offsets, per_sample_weights=psw))
+        return self.over(torch.cat(parts, 1))
+
+
+def make_args(weighted, batch, g):
+    args = [torch.randn(batch, 2, generator=g)]
+    names = {}
+    for f, w in enumerate(weighted):
+        lens = torch.randint(0, 4, (batch,), generator=g)
+        ids = torch.randint(0, NUM_EMB, (int(lens.sum()),), generator=g)
+        base = len(args)
+        args += [ids, lens]
+        names[f"f{f}"] = [base, base + 1]
+        if w:
+            args.append(torch.rand(ids.numel(), generator=g))
+            names[f"f{f}"].append(base + 2)
+    return args, names
+
+
+def traced_with_names(model, n_args):
+    """Trace ``model`` with named positional args a0, a1, ... (a *args forward cannot be)."""
+    names = [f"a{i}" for i in range(n_args)]
+    src = f"def forward(self, {', '.join(names)}):\n    return self.m({', '.join(names)})\n"
+    ns: dict = {}
+    exec(src, ns)
+    wrapper = type("Named", (nn.Module,), {"forward": ns["forward"]})()
+    wrapper.m = model
+    return torch.fx.symbolic_trace(wrapper), names
+
+
+def grads(model):
+    return {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+
+
+def check_same(model, new, args, new_args):
+    model.zero_grad()
+    new.zero_grad()
+    ref = model(*args)
+    ref.sum().backward()
+    ref_g = grads(model)
+    model.zero_grad()
+    got = new(*new_args)
+    got.sum().backward()
+    got_g = grads(new) if any(True for _ in new.parameters()) else grads(model)
+    torch.testing.assert_close(got, ref, rtol=0, atol=0)
+    assert set(got_g) == set(ref_g) and ref_g
+    for k in ref_g:
+        torch.testing.assert_close(got_g[k], ref_g[k], rtol=0, atol=0)
+
+
+@settings(deadline=None, max_examples=25)
+@given(
+    weighted=st.lists(st.booleans(), min_size=1, max_size=6),
+    batch=st.integers(1, 6),
+    other_batch=st.integers(1, 6),
+    seed=st.integers(0, 2**16),
+)
+def test_per_feature_tensors(weighted, batch, other_batch, seed):
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    model = PerFeatureTensors(weighted)
+    args, idx = make_args(weighted, batch, g)
+    gm, names = traced_with_names(model, len(args))
+    features = {k: [names[i] for i in v] for k, v in idx.items()}
+    new, packer = combine_inputs(gm, args, features=features)
+
+    assert n_split_nodes(new) == 1
+    assert first_compute_node(new).target is PS
+    new_args = packer(*args)
+    assert isinstance(new_args[-1], CombinedFeatures) and len(new_args) == 2
+    # H2D copies: 2 (3 with weights) for all features, instead of 2-3 per feature
+    assert transfer_count(new_args[-1]) == (3 if any(weighted) else 2)
+    assert transfer_count(args[1:]) == sum(3 if w else 2 for w in weighted)
+    check_same(gm, new, args, new_args)
+    # the packer's inverse gives back the very same tensors' values
+    back = packer.unpack(*new_args)
+    assert len(back) == len(args)
+    for a, b in zip(args, back):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+    # the graph bakes in no batch size or id count
+    args2, _ = make_args(weighted, other_batch, g)
+    check_same(gm, new, args2, packer(*args2))
+
+
+class DictAndJT(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.EmbeddingBag(NUM_EMB, 2, mode="sum", include_last_offset=True)
+        self.b = nn.EmbeddingBag(NUM_EMB, 2, mode="sum", include_last_offset=True)
+        self.c = nn.EmbeddingBag(NUM_EMB, 2, mode="sum", include_last_offset=True)
+
+    def forward(self, feats, solo, dense):
+        x = self.a(feats["x"].values(), feats["x"].offsets())
+        y = self.b(feats["y"].values(), feats["y"].offsets(), feats["y"].weights())
+        z = self.c(solo.values(), solo.offsets())
+        return torch.cat([x, y, z], 1) * dense
+
+
+def test_dict_of_jagged_tensors_and_a_jagged_tensor():
+    g = torch.Generator().manual_seed(0)
+    kjt = make_kjt(["x", "y", "solo"], 5, g, weighted=True, vbe=False)
+    d = kjt.to_dict()
+    feats = {"x": JaggedTensor(d["x"].values(), lengths=d["x"].lengths()), "y": d["y"]}
+    solo = JaggedTensor(d["solo"].values(), lengths=d["solo"].lengths())
+    dense = torch.randn(5, 6, generator=g)
+    model = DictAndJT()
+    new, packer = combine_inputs(model, (feats, solo, dense))
+    assert n_split_nodes(new) == 1
+    new_args = packer(feats, solo, dense)
+    check_same(model, new, (feats, solo, dense), new_args)
+    f2, s2, d2 = packer.unpack(*new_args)
+    assert d2 is dense and f2["x"].weights_or_none() is None and s2.weights_or_none() is None
+    torch.testing.assert_close(f2["y"].weights(), feats["y"].weights())
+    torch.testing.assert_close(s2.lengths(), solo.lengths())
+
+
+@pytest.mark.parametrize("input_type", ["kjt", "td"])
+@pytest.mark.parametrize("weighted,vbe", [(False, False), (True, False), (True, True)])
+def test_kjt_and_tensordict_inputs(input_type, weighted, vbe):
+    keys = ["f0", "f1", "f2", "f3"]
+    g = torch.Generator().manual_seed(1)
+    torch.manual_seed(1)
+    model = TinyRanker(keys, weighted=weighted, vbe=vbe)
+    kjt = make_kjt(keys, 4, g, weighted, vbe)
+    sparse = kjt_to_tensordict(kjt) if input_type == "td" else kjt
+    dense = torch.randn(4, 3, generator=g)
+    new, packer = combine_inputs(model, (dense, sparse))
+    # a KJT/TensorDict already is one layout: rebuilt as views, no split, no copy
+    assert n_split_nodes(new) == 0
+    new_args = packer(dense, sparse)
+    cf = new_args[-1]
+    assert transfer_count(cf) == (3 if weighted else 2)
+    assert transfer_count(sparse) >= transfer_count(cf)
+    if input_type == "kjt":
+        assert cf.values.data_ptr() == kjt.values().data_ptr()  # packing a KJT copies nothing
+    check_same(model, new, (dense, sparse), new_args)
+    _d2, s2 = packer.unpack(*new_args)
+    k2 = s2 if input_type == "kjt" else fxrec.sparse.kjt_from_tensordict(s2)
+    assert k2.keys() == keys and k2.stride_per_key() == kjt.stride_per_key()
+    torch.testing.assert_close(k2.values(), kjt.values())
+    torch.testing.assert_close(k2.lengths(), kjt.lengths())
+    assert (k2.weights_or_none() is None) == (not weighted)
+
+
+class TwoKJTs(nn.Module):
+    """The usual split: unweighted features in one KJT, weighted ones in another."""
+
+    def __init__(self):
+        super().__init__()
+        self.u = nn.EmbeddingBag(NUM_EMB, 2, mode="sum", include_last_offset=True)
+        self.w = nn.EmbeddingBag(NUM_EMB, 2, mode="sum", include_last_offset=True)
+
+    def forward(self, plain, weighted):
+        a = plain["u"]
+        b = weighted["w"]
+        assert_no_weights(a)
+        return self.u(a.values(), a.offsets()) + self.w(b.values(), b.offsets(), b.weights())
+
+
+@torch.fx.wrap
+def assert_no_weights(jt):
+    if jt.weights_or_none() is not None:
+        raise AssertionError("an unweighted feature came back with weights")
+
+
+def test_weighted_and_unweighted_kjts_combined():
+    g = torch.Generator().manual_seed(2)
+    plain = make_kjt(["u"], 3, g, weighted=False, vbe=False)
+    weighted = make_kjt(["w"], 3, g, weighted=True, vbe=False)
+    model = TwoKJTs()
+    new, packer = combine_inputs(model, (plain, weighted))
+    new_args = packer(plain, weighted)
+    assert transfer_count(new_args[-1]) == 3
+    check_same(model, new, (plain, weighted), new_args)
+    with pytest.raises(ValueError, match="not in"):
+        packer(weighted, plain)  # arguments swapped: feature names differ
+    w_as_plain = KeyedJaggedTensor(["w"], weighted.values(), lengths=weighted.lengths())
+    with pytest.raises(ValueError, match="weights"):
+        packer(plain, w_as_plain)
+
+
+def test_optimize_runs_the_combined_module():
+    keys = ["f0", "f1"]
+    g = torch.Generator().manual_seed(3)
+    model = TinyRanker(keys, weighted=True)
+    kjt = make_kjt(keys, 4, g, True, False)
+    dense = torch.randn(4, 3, generator=g)
+    new, packer = combine_inputs(model, (dense, kjt))
+    new_args = packer(dense, kjt)
+    opt = fxrec.optimize(new, new_args)
+    torch.testing.assert_close(opt(*new_args), model(dense, kjt), rtol=0, atol=0)
+
+
+def test_state_dict_keys_are_the_models():
+    model = TinyRanker(["f0", "f1"])
+    g = torch.Generator().manual_seed(0)
+    args = (torch.randn(2, 3), make_kjt(["f0", "f1"], 2, g, False, False))
+    new, _ = combine_inputs(model, args)
+    assert set(new.state_dict()) == set(model.state_dict())
+    for k, v in new.state_dict().items():  # the model's own tensors, not copies
+        assert v.data_ptr() == model.state_dict()[k].data_ptr()
+    other = TinyRanker(["f0", "f1"])
+    new.load_state_dict(other.state_dict())  # strict: checkpoints load both ways
+    torch.testing.assert_close(model.over.weight, other.over.weight)
+
+
+def test_clear_errors():
+    model = TinyRanker(["f0"])
+    with pytest.raises(ValueError, match="no sparse inputs"):
+        combine_inputs(nn.Linear(2, 2), (torch.randn(1, 2),))
+    g = torch.Generator().manual_seed(0)
+    kjt = make_kjt(["f0"], 2, g, False, False)
+    with pytest.raises(ValueError, match="arguments"):
+        combine_inputs(model, (torch.randn(2, 3),))
+    gm, _names = traced_with_names(PerFeatureTensors([False]), 3)
+    args = [torch.randn(2, 2), torch.tensor([1, 2]), torch.tensor([1, 1])]
+    with pytest.raises(ValueError, match="no forward argument"):
+        combine_inputs(gm, args, features={"f0": ("a1", "nope")})
+    with pytest.raises(ValueError, match="values_arg"):
+        combine_inputs(gm, args, features={"f0": ("a1",)})
+    _new, packer = combine_inputs(gm, args, features={"f0": ("a1", "a2")})
+    with pytest.raises(ValueError, match="dtype"):
+        packer(args[0], args[1].int(), args[2])
+    with pytest.raises(ValueError, match=r"lengths|sum"):
+        packer(args[0], args[1], torch.tensor([5, 5]))  # lengths do not sum to the ids
+    with pytest.raises(ValueError, match="arguments"):
+        packer(args[0])
+    _, p2 = combine_inputs(model, (torch.randn(2, 3), kjt))
+    with pytest.raises(ValueError, match="not in"):
+        p2(torch.randn(2, 3), KeyedJaggedTensor(["zz"], kjt.values(), lengths=kjt.lengths()))

@@ -1,0 +1,73 @@
+"""Both pipelines on 2 gloo ranks with a sharded embedding collection: the same losses and
+parameters, and the overlapping pipeline really sends batch i+1's ids early."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from fxrec.train import TrainPipelineBase, TrainPipelineSparseDist
+from tests.train.helpers import DENSE, NUM_EMB, make_batches, params
+
+pytestmark = pytest.mark.distributed
+
+KEYS = ["f0", "f1", "f2"]
+
+
+def _have_collection() -> bool:
+    try:
+        from fxrec.nn import EmbeddingBagCollection  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class ShardedRanker(nn.Module):
+    def __init__(self, ebc: nn.Module) -> None:
+        super().__init__()
+        self.ebc = ebc
+        self.dense_arch = nn.Linear(DENSE, 4)
+        self.over = nn.Linear(4 + 4 * len(KEYS), 1)
+
+    def forward(self, dense, sparse):
+        return self.over(torch.cat([self.dense_arch(dense), self.ebc(sparse).values()], 1))
+
+
+def _build():
+    from fxrec.distributed import shard
+    from fxrec.nn import EmbeddingBagCollection, EmbeddingBagConfig
+
+    torch.manual_seed(0)  # every rank builds the same model
+    tables = [
+        EmbeddingBagConfig(num_embeddings=NUM_EMB, embedding_dim=4, name=f"t{i}", feature_names=[k])
+        for i, k in enumerate(KEYS)
+    ]
+    model = ShardedRanker(shard(EmbeddingBagCollection(tables=tables, is_weighted=True)))
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def _pipelines_agree(rank: int, world: int, input_type: str) -> None:
+    batches = make_batches(KEYS, 5, input_type=input_type, weighted=True, seed=10 + rank)
+    results = []
+    for cls in (TrainPipelineBase, TrainPipelineSparseDist):
+        model, opt = _build()
+        with cls(model, opt) as pipe:
+            losses = pipe.run(batches)
+            if cls is TrainPipelineSparseDist:
+                assert len(pipe._input_dist.enabled) == 1, "ids were not sent early"
+        results.append((losses, params(model)))
+    (l0, p0), (l1, p1) = results
+    assert l1 == pytest.approx(l0, rel=1e-6, abs=1e-7)
+    assert p0.keys() == p1.keys() and len(p0) > 0
+    for k in p0:
+        torch.testing.assert_close(p1[k], p0[k], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not _have_collection(), reason="needs fxrec.nn.EmbeddingBagCollection")
+@pytest.mark.parametrize("input_type", ["kjt", "td"])
+def test_two_ranks_same_losses_and_parameters(input_type):
+    from tests.distributed.launch import run_ranks
+
+    run_ranks(2, _pipelines_agree, input_type, timeout=30.0, deadline=100.0)
