@@ -7,15 +7,18 @@ all-to-all) and a dense MLP independent of the embeddings, written dense-first a
 DLRM is. Variants, both the same captured graph:
 
 * ``blocking``: the written order (each wait right after its request, dense arch first);
-* ``overlapped``: after the ``overlap_comm`` rule (requests first, dense arch inside the
-  pooled all-to-all's window).
+* ``overlapped``: after the ``overlap_comm`` rule (requests first; the dense arch's layers
+  shared among the windows of the three exchanges: id counts, ids, pooled embeddings).
 
 They run interleaved step by step on the same batches; each rank records its step time and
-the time it spent blocked in communication (inside waits and the synchronous id-count
-exchange, forward pass; the backward all-to-all is the same in both). Outputs are compared
-every step. Threads: each rank uses 1 intra-op thread (2 ranks on 2 cores); gloo's own
+the time it spent blocked in communication (inside the waits of the forward pass; the
+backward all-to-all is the same in both). Outputs are compared every step.
+
+Threads: each rank calls ``torch.set_num_threads(1)`` (1 intra-op thread; 2 ranks on 2
+cores; torchrun also sets ``OMP_NUM_THREADS=1`` unless it is set already); gloo's own
 transport threads (2 per process by default) share the same cores, so communication costs
-CPU here rather than running on a NIC.
+CPU here rather than running on a NIC. Other processes on the machine take cores from both
+variants alike (interleaved steps), but make the figures noisy.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ from fxrec.distributed import comm, init_distributed, shard
 from fxrec.sparse import KeyedJaggedTensor
 
 logger = logging.getLogger("fxrec.bench.overlap")
+
+THREADS_PER_RANK = 1  # intra-op; 2 ranks share 2 cores with gloo's transport threads
 
 
 class DenseFirstDLRM(nn.Module):
@@ -81,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     steps = args.steps or (10 if args.quick else 60)
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(THREADS_PER_RANK)
     init_distributed("gloo", timeout=args.timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
     from fxrec.nn import EmbeddingBagCollection, EmbeddingBagConfig
@@ -154,7 +159,8 @@ def _stats(xs: list[float]) -> dict[str, float]:
 def _summarize(per_rank: list[dict], args: argparse.Namespace, steps: int, report: str) -> None:
     rows = []
     payload: dict[str, Any] = {
-        "config": vars(args) | {"steps": steps, "threads_per_rank": 1, "ranks": len(per_rank)},
+        "config": vars(args)
+        | {"steps": steps, "threads_per_rank": THREADS_PER_RANK, "ranks": len(per_rank)},
         "ranks": [],
         "report": report,
     }
@@ -199,8 +205,9 @@ def _summarize(per_rank: list[dict], args: argparse.Namespace, steps: int, repor
     print_table(
         f"overlap: {len(per_rank)} ranks gloo loopback, {args.tables} tables x {args.rows} x "
         f"{args.dim}, batch {args.batch}/rank, MLP 256-{args.hidden}-{args.hidden}-64, train "
-        f"step, {steps} interleaved steps, 1 thread/rank (ms; diff = blocking - overlapped, "
-        "median [p10, p90] of paired steps)",
+        f"step, {steps} interleaved steps, torch.set_num_threads({THREADS_PER_RANK}) per rank "
+        "+ gloo's transport threads (ms; diff = blocking - overlapped, median [p10, p90] of "
+        "paired steps)",
         [
             "rank",
             "step blocking",

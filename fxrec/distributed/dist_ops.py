@@ -5,9 +5,15 @@ traced model shows every all-to-all as a request node and a wait node, and the o
 (:mod:`fxrec.passes.overlap`) can move compute between them. Each carries an attribute
 ``_fxrec_comm`` ("request" or "wait") by which the pass recognises it.
 
-Ids (input dist): split sizes depend on the data, so a small synchronous exchange of counts
-comes first; the ids, lengths and weights then travel asynchronously (``async_op=True``,
-returning a :class:`IdsHandle` that holds the ``Work`` objects). Ids carry no gradient.
+Ids (input dist): split sizes depend on the data, so every rank first tells each owner how
+many ids and rows it will send: :func:`request_counts` (asynchronous ``all_to_all_single``
+of a small counts tensor) and :func:`wait_counts`. :func:`send_ids` then starts the ids,
+lengths and weights (``async_op=True``, returning a :class:`IdsHandle` that holds the
+``Work`` objects) and :func:`wait_ids` waits for them. The chain request -> wait -> request
+-> wait gives the overlap pass one window per exchange. Ids carry no gradient.
+
+Every wait runs inside :func:`fxrec.distributed.comm.blocked`: a peer that never arrives
+makes it raise :class:`CommError` after the process group's timeout.
 
 Pooled embeddings (output dist): the traceable functional collective
 ``torch.ops._c10d_functional.all_to_all_single`` + ``wait_tensor``. Its autograd formula is
@@ -28,10 +34,15 @@ from fxrec.distributed.comm import CommError, blocked
 from fxrec.sparse import KeyedJaggedTensor, KeyedTensor
 
 __all__ = [
+    "CountsHandle",
     "IdsHandle",
+    "IdsSplits",
     "assemble_pooled",
+    "request_counts",
     "request_ids",
     "request_pooled",
+    "send_ids",
+    "wait_counts",
     "wait_ids",
     "wait_pooled",
 ]
@@ -50,6 +61,31 @@ class IdsLayout:
     keys_per_rank: tuple[int, ...]
     local_keys: tuple[str, ...]
     group_name: str
+
+
+@dataclass
+class CountsHandle:
+    """An id-count exchange in flight; keeps the ids (owner-major) for :func:`send_ids`."""
+
+    layout: IdsLayout
+    kjt: KeyedJaggedTensor
+    work: Any
+    send: torch.Tensor  # must outlive the exchange
+    recv: torch.Tensor
+    ids_to: list[int]
+    batch: int
+
+
+@dataclass
+class IdsSplits:
+    """Split sizes of the ids all-to-all, known once every rank's counts arrived."""
+
+    layout: IdsLayout
+    kjt: KeyedJaggedTensor
+    ids_to: list[int]  # ids this rank sends to each owner
+    ids_from: list[int]  # ids this rank receives from each source
+    batch_sizes: list[int]  # rows each source rank sends (its local batch)
+    batch: int
 
 
 @dataclass
@@ -84,30 +120,62 @@ def _owner_major(kjt: KeyedJaggedTensor, layout: IdsLayout) -> KeyedJaggedTensor
     return kjt.permute([index[k] for k in layout.send_keys])
 
 
-@torch.fx.wrap
-def request_ids(kjt: KeyedJaggedTensor, layout: IdsLayout) -> IdsHandle:
-    """Start sending every key's ids to the rank that owns its table (returns at once)."""
-    pg = _pg(layout.group_name)
-    world = pg.size()
-    kjt = _owner_major(kjt, layout)
-    batch = kjt.stride()
+def _counts_to(kjt: KeyedJaggedTensor, layout: IdsLayout) -> list[int]:
+    """How many ids this rank sends to each owner (``kjt`` is owner-major)."""
     lpk = kjt.length_per_key()
     ids_to: list[int] = []
     start = 0
     for n in layout.keys_per_rank:
         ids_to.append(sum(lpk[start : start + n]))
         start += n
-    send_counts = torch.tensor([[c, batch] for c in ids_to], dtype=torch.int64)
-    recv_counts = torch.empty_like(send_counts)
+    return ids_to
+
+
+@torch.fx.wrap
+def request_counts(kjt: KeyedJaggedTensor, layout: IdsLayout) -> CountsHandle:
+    """Start telling every owner how many ids and rows it will get (returns at once).
+
+    Asynchronous so that the overlap pass can run compute while the counts travel; the
+    split sizes of the ids all-to-all are only known after :func:`wait_counts`.
+    """
+    pg = _pg(layout.group_name)
+    kjt = _owner_major(kjt, layout)
+    batch = kjt.stride()
+    ids_to = _counts_to(kjt, layout)
+    send = torch.tensor([[c, batch] for c in ids_to], dtype=torch.int64).flatten()
+    recv = torch.empty_like(send)
+    try:
+        work = dist.all_to_all_single(recv, send, group=pg, async_op=True)
+    except (RuntimeError, dist.DistError) as exc:
+        raise CommError(f"rank {pg.rank()}: could not start the id-count exchange: {exc}") from exc
+    return CountsHandle(layout, kjt, work, send, recv, ids_to, batch)
+
+
+@torch.fx.wrap
+def wait_counts(handle: CountsHandle) -> IdsSplits:
+    """Wait for every rank's counts: the split sizes of the ids all-to-all."""
     with blocked("ids_counts", "exchange of id counts (input all-to-all)"):
-        dist.all_to_all_single(recv_counts, send_counts.flatten(), group=pg)
-    recv_counts = recv_counts.view(world, 2).tolist()
-    ids_from = [c for c, _ in recv_counts]
-    batch_sizes = [b for _, b in recv_counts]
+        handle.work.wait()
+    recv = handle.recv.view(-1, 2).tolist()
+    return IdsSplits(
+        handle.layout,
+        handle.kjt,
+        handle.ids_to,
+        [c for c, _ in recv],
+        [b for _, b in recv],
+        handle.batch,
+    )
+
+
+@torch.fx.wrap
+def send_ids(splits: IdsSplits) -> IdsHandle:
+    """Start sending every key's ids to the rank that owns its table (returns at once)."""
+    layout, kjt = splits.layout, splits.kjt
+    pg = _pg(layout.group_name)
     me = pg.rank()
-    n_local = layout.keys_per_rank[me]
-    len_to = [n * batch for n in layout.keys_per_rank]
-    len_from = [n_local * b for b in batch_sizes]
+    ids_from, ids_to = splits.ids_from, splits.ids_to
+    len_to = [n * splits.batch for n in layout.keys_per_rank]
+    len_from = [layout.keys_per_rank[me] * b for b in splits.batch_sizes]
 
     values = kjt.values().new_empty(sum(ids_from))
     lengths = kjt.lengths().new_empty(sum(len_from))
@@ -128,7 +196,17 @@ def request_ids(kjt: KeyedJaggedTensor, layout: IdsLayout) -> IdsHandle:
             )
     except (RuntimeError, dist.DistError) as exc:
         raise CommError(f"rank {me}: could not start the ids all-to-all: {exc}") from exc
-    return IdsHandle(layout, works, values, lengths, weights, batch_sizes, batch)
+    return IdsHandle(layout, works, values, lengths, weights, splits.batch_sizes, splits.batch)
+
+
+@torch.fx.wrap
+def request_ids(kjt: KeyedJaggedTensor, layout: IdsLayout) -> IdsHandle:
+    """Counts then ids in one call, for eager callers (blocks on the counts exchange).
+
+    Traced models use :func:`request_counts`, :func:`wait_counts` and :func:`send_ids` as
+    separate nodes instead, so that compute can also hide the counts exchange.
+    """
+    return send_ids(wait_counts(request_counts(kjt, layout)))
 
 
 @torch.fx.wrap
@@ -219,6 +297,9 @@ def assemble_pooled(
 
 
 for _fn, _kind in (
+    (request_counts, "request"),
+    (wait_counts, "wait"),
+    (send_ids, "request"),
     (request_ids, "request"),
     (wait_ids, "wait"),
     (request_pooled, "request"),

@@ -2,8 +2,9 @@
 
 Table-wise sharding: each table lives on one rank (:mod:`fxrec.distributed.plan`). A step:
 
-1. ``request_ids``/``wait_ids``: every key's ids go to the owner of its table (one
-   synchronous exchange of counts, then an asynchronous ``all_to_all_single``);
+1. ``request_counts``/``wait_counts``, then ``send_ids``/``wait_ids``: every key's ids go
+   to the owner of its table (an asynchronous exchange of counts, which gives the split
+   sizes, then an asynchronous ``all_to_all_single`` of the ids);
 2. the owner looks its tables up for the rows of *every* rank's batch (one local
    collection call);
 3. ``request_pooled``/``wait_pooled``: each rank gets back its own rows (functional
@@ -11,8 +12,8 @@ Table-wise sharding: each table lives on one rank (:mod:`fxrec.distributed.plan`
 4. ``assemble_pooled``: the same ``KeyedTensor`` the unsharded collection gives for the
    local batch (keys and columns in its order).
 
-Written as request/wait pairs, the forward is one graph under symbolic tracing in which the
-overlap pass can move independent compute between each request and its wait. Run eagerly,
+Written as a chain of request/wait pairs, the forward is one graph under symbolic tracing in
+which the overlap pass can move independent compute between each request and its wait. Run eagerly,
 each wait follows its request: that is the blocking baseline.
 """
 
@@ -166,7 +167,9 @@ class ShardedEmbeddingBagCollection(nn.Module):
     # -- forward ----------------------------------------------------------------------------
     def forward(self, features: Any) -> KeyedTensor:
         kjt = as_kjt(features)
-        handle = dist_ops.request_ids(kjt, self._layout)
+        counts = dist_ops.request_counts(kjt, self._layout)
+        splits = dist_ops.wait_counts(counts)
+        handle = dist_ops.send_ids(splits)
         local = dist_ops.wait_ids(handle)
         pooled = _lookup(self.embedding_bags_local, local, self._dims_per_rank[self.rank])
         sent = dist_ops.request_pooled(pooled, handle, self._dims_per_rank)

@@ -10,6 +10,7 @@ candidate for any rule: the rule reports why and moves on.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -136,6 +137,10 @@ def infer(gm: fx.GraphModule, node: fx.Node) -> bool:
     Returns False (leaving the node without metadata) when an input lacks it or the op
     cannot run on fake tensors; rules treat such nodes as opaque.
     """
+    shaped = _glue_info(node)
+    if shaped is not None:
+        node.meta[_KEY] = shaped
+        return True
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -164,6 +169,105 @@ def infer(gm: fx.GraphModule, node: fx.Node) -> bool:
         fake_log.setLevel(level)
     set_info(node, out)
     return True
+
+
+# -- glue ops: metadata by shape arithmetic -----------------------------------------------------
+# The split that hands a fused result back to its N members, and the cat or stack that gathers
+# N inputs, have N inputs or outputs. On fake tensors each costs tens of microseconds per
+# member (a fused set has thousands of members on large graphs), while their metadata is plain
+# shape arithmetic. Only the exact forms rules build are handled here, with the checks the op
+# itself makes; anything else goes through fake tensors.
+
+
+def _static_info(x: Any) -> TensorInfo | None:
+    ti = info(x) if isinstance(x, fx.Node) else None
+    return ti if isinstance(ti, TensorInfo) and ti.static else None
+
+
+def _requires_grad(infos: Sequence[TensorInfo]) -> bool:
+    """What autograd gives a differentiable op's result on inputs like :func:`_fake_arg`'s."""
+    return torch.is_grad_enabled() and any(
+        i.requires_grad and i.dtype.is_floating_point for i in infos
+    )
+
+
+def _glue_info(node: fx.Node) -> Any:
+    """Metadata of a ``torch.split/unbind/cat/stack`` node in a plain form, else None."""
+    if node.op != "call_function" or node.kwargs or not node.args:
+        return None
+    if node.target is torch.split:
+        return _split_info(node.args)
+    if node.target is torch.unbind:
+        return _unbind_info(node.args)
+    if node.target is torch.cat or node.target is torch.stack:
+        return _join_info(node.args, node.target is torch.stack)
+    return None
+
+
+def _split_info(args: tuple) -> tuple[TensorInfo, ...] | None:
+    """``torch.split(x, [sizes], dim)`` with sizes that tile ``x`` along ``dim``."""
+    if len(args) != 3:
+        return None
+    x, sizes, dim = args
+    ti = _static_info(x)
+    if ti is None or ti.ndim == 0 or type(dim) is not int or not -ti.ndim <= dim < ti.ndim:
+        return None
+    if not isinstance(sizes, (list, tuple)) or not sizes:
+        return None
+    if any(type(n) is not int or n < 0 for n in sizes):
+        return None
+    d = dim % ti.ndim
+    if sum(sizes) != ti.shape[d]:
+        return None
+    rg = _requires_grad([ti])
+    head, tail = ti.shape[:d], ti.shape[d + 1 :]
+    return tuple(TensorInfo((*head, n, *tail), ti.dtype, ti.device, rg) for n in sizes)
+
+
+def _unbind_info(args: tuple) -> tuple[TensorInfo, ...] | None:
+    """``torch.unbind(x, dim)`` into at least one piece."""
+    if len(args) != 2:
+        return None
+    x, dim = args
+    ti = _static_info(x)
+    if ti is None or ti.ndim == 0 or type(dim) is not int or not -ti.ndim <= dim < ti.ndim:
+        return None
+    d = dim % ti.ndim
+    if ti.shape[d] == 0:
+        return None
+    piece = TensorInfo(ti.shape[:d] + ti.shape[d + 1 :], ti.dtype, ti.device, _requires_grad([ti]))
+    return (piece,) * ti.shape[d]
+
+
+def _join_info(args: tuple, stack: bool) -> TensorInfo | None:
+    """``torch.cat([xs], dim)`` / ``torch.stack([xs], dim)`` of one dtype and device."""
+    if len(args) != 2:
+        return None
+    xs, dim = args
+    if not isinstance(xs, (list, tuple)) or not xs or type(dim) is not int:
+        return None
+    infos = [_static_info(x) for x in xs]
+    first = infos[0]
+    if first is None or any(
+        i is None or i.dtype != first.dtype or i.device != first.device for i in infos
+    ):
+        return None
+    nd = first.ndim
+    rg = _requires_grad(infos)  # type: ignore[arg-type]
+    if stack:
+        if not -(nd + 1) <= dim <= nd or any(i.shape != first.shape for i in infos):  # type: ignore[union-attr]
+            return None
+        d = dim % (nd + 1)
+        shape = (*first.shape[:d], len(infos), *first.shape[d:])
+        return TensorInfo(shape, first.dtype, first.device, rg)
+    if nd == 0 or not -nd <= dim < nd:
+        return None
+    d = dim % nd
+    rest = first.shape[:d] + first.shape[d + 1 :]
+    if any(i.ndim != nd or i.shape[:d] + i.shape[d + 1 :] != rest for i in infos):  # type: ignore[union-attr]
+        return None
+    total = sum(i.shape[d] for i in infos)  # type: ignore[union-attr]
+    return TensorInfo((*first.shape[:d], total, *first.shape[d + 1 :]), first.dtype, first.device, rg)
 
 
 def _resolve_attr(gm: fx.GraphModule, target: str) -> Any:

@@ -9,8 +9,10 @@ these pieces form one contiguous range?".
 from __future__ import annotations
 
 import operator
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -51,8 +53,77 @@ def _arg(node: fx.Node, pos: int, name: str, default: object = None) -> object:
     return node.kwargs.get(name, default)
 
 
+@dataclass(frozen=True)
+class _SplitLayout:
+    """A split node's pieces, with each piece's start precomputed."""
+
+    base: fx.Node
+    dim: int
+    sizes: tuple[int, ...]
+    starts: tuple[int, ...]
+    squeezed: bool
+
+
+# Split node -> (args, kwargs, target, base metadata, layout) at the time it was read. A split
+# of N pieces has N getitem users; reading its layout once instead of once per piece keeps
+# ``piece_of`` O(1) rather than O(N).
+_LAYOUTS: weakref.WeakKeyDictionary[fx.Node, tuple[Any, Any, Any, Any, _SplitLayout | None]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _base_info(node: fx.Node) -> Any:
+    """The metadata object a split's layout was derived from (identity marks a change)."""
+    base = node.args[0] if node.args else node.kwargs.get("input", node.kwargs.get("tensor"))
+    return meta.info(base) if isinstance(base, fx.Node) else None
+
+
+def _layout(node: fx.Node) -> _SplitLayout | None:
+    """:func:`split_sizes` as a cached :class:`_SplitLayout`; recomputed when the node changes."""
+    args, kwargs, target = node.args, node.kwargs, node.target
+    cached = _LAYOUTS.get(node)
+    info = _base_info(node)
+    if (
+        cached is not None
+        and cached[0] is args
+        and cached[1] is kwargs
+        and cached[2] is target
+        and cached[3] is info
+    ):
+        return cached[4]
+    s = _split_sizes(node)
+    layout = None
+    if s is not None:
+        base, dim, sizes, squeezed = s
+        starts, pos = [], 0
+        for n in sizes:
+            starts.append(pos)
+            pos += n
+        layout = _SplitLayout(base, dim, tuple(sizes), tuple(starts), squeezed)
+    _LAYOUTS[node] = (args, kwargs, target, info, layout)
+    return layout
+
+
 def split_sizes(node: fx.Node) -> tuple[fx.Node, int, list[int], bool] | None:
     """(base, dim, piece sizes, squeezed) for a split/chunk/unbind node with static sizes."""
+    if not _is_split(node):
+        return None
+    lay = _layout(node)
+    if lay is None:
+        return None
+    return lay.base, lay.dim, list(lay.sizes), lay.squeezed
+
+
+def _is_split(node: fx.Node) -> bool:
+    """Cheap test that ``node`` is some spelling of split, chunk or unbind."""
+    if node.op == "call_function":
+        t = node.target
+        return t in SPLIT_FUNCTIONS or t in CHUNK_FUNCTIONS or t in UNBIND_FUNCTIONS
+    return node.op == "call_method" and node.target in ("split", "chunk", "unbind")
+
+
+def _split_sizes(node: fx.Node) -> tuple[fx.Node, int, list[int], bool] | None:
+    """:func:`split_sizes`, computed from scratch."""
     kind = None
     if node.op == "call_function":
         if node.target in SPLIT_FUNCTIONS:
@@ -109,16 +180,16 @@ def piece_of(node: fx.Node) -> Piece | None:
     if node.op != "call_function" or node.target is not operator.getitem:
         return None
     src, idx = node.args
-    if not isinstance(src, fx.Node) or not isinstance(idx, int):
+    if not isinstance(src, fx.Node) or not isinstance(idx, int) or not _is_split(src):
         return None
-    s = split_sizes(src)
-    if s is None:
+    lay = _layout(src)
+    if lay is None:
         return None
-    base, dim, sizes, squeezed = s
-    if not -len(sizes) <= idx < len(sizes):
+    n = len(lay.sizes)
+    if not -n <= idx < n:
         return None
-    idx %= len(sizes)
-    return Piece(node, base, dim, sum(sizes[:idx]), sizes[idx], idx, src, squeezed)
+    idx %= n
+    return Piece(node, lay.base, lay.dim, lay.starts[idx], lay.sizes[idx], idx, src, lay.squeezed)
 
 
 def contiguous_range(

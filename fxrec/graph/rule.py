@@ -17,8 +17,8 @@ rule unless told otherwise.
 from __future__ import annotations
 
 import logging
-from collections.abc import Hashable, Iterable, Sequence
-from typing import Any, ClassVar
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from typing import Any, ClassVar, Generic, TypeVar
 
 import torch.fx as fx
 from torch import nn
@@ -29,9 +29,47 @@ from fxrec.graph.report import Report
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Rule", "LocalRule", "HorizontalRule", "RewriteContext", "register", "registered_rules"]
+__all__ = [
+    "Rule",
+    "LocalRule",
+    "HorizontalRule",
+    "RewriteContext",
+    "NodeCache",
+    "register",
+    "registered_rules",
+]
 
 _REGISTRY: dict[str, type[Rule]] = {}
+
+T = TypeVar("T")
+
+
+class NodeCache(Generic[T]):
+    """``fn(node)`` computed once per node for one run of the rules, not once per pass.
+
+    For functions of a node's own op, target, args and kwargs (and of module state, which no
+    rule changes during a run). An entry is recomputed when any of those is a different object:
+    fx builds a new args tuple whenever an input is rerouted, and its lists are immutable.
+    """
+
+    def __init__(self, fn: Callable[[fx.Node], T]) -> None:
+        self._fn = fn
+        self._entries: dict[fx.Node, tuple[Any, Any, Any, Any, T]] = {}
+
+    def __call__(self, node: fx.Node) -> T:
+        args, kwargs = node.args, node.kwargs
+        e = self._entries.get(node)
+        if (
+            e is not None
+            and e[0] is args
+            and e[1] is kwargs
+            and e[2] is node.target
+            and e[3] is node.op
+        ):
+            return e[4]
+        value = self._fn(node)
+        self._entries[node] = (args, kwargs, node.target, node.op, value)
+        return value
 
 
 class RewriteContext:
@@ -49,13 +87,25 @@ class RewriteContext:
         self.report = report
         self.params = params
         self.device_type = device_type
+        self._modules: dict[str, nn.Module] = {}
+        self._caches: dict[Callable[[fx.Node], Any], NodeCache[Any]] = {}
+
+    def cached(self, fn: Callable[[fx.Node], T]) -> NodeCache[T]:
+        """A :class:`NodeCache` of ``fn`` that lives as long as this context (one run)."""
+        cache = self._caches.get(fn)
+        if cache is None:
+            cache = self._caches[fn] = NodeCache(fn)
+        return cache
 
     # -- lookups -----------------------------------------------------------------------------
     def module(self, node: fx.Node) -> nn.Module | None:
         """The module a ``call_module`` node calls, else None."""
         if node.op != "call_module":
             return None
-        return self.gm.get_submodule(node.target)
+        mod = self._modules.get(node.target)
+        if mod is None:  # rules add submodules during a run but never replace one
+            mod = self._modules[node.target] = self.gm.get_submodule(node.target)
+        return mod
 
     def attr(self, node: fx.Node) -> Any:
         """The object a ``get_attr`` node reads, else None."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import operator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -93,19 +94,25 @@ def cse_key(node: fx.Node) -> Any:
         return None
 
 
-def _reading_written_memory(graph: fx.Graph) -> set[fx.Node]:
+def _reading_written_memory(
+    graph: fx.Graph,
+    mutates: Callable[[fx.Node], bool] = mutates_input,
+    side_effects: Callable[[fx.Node], bool] = has_side_effects,
+) -> set[fx.Node]:
     """Nodes that may read memory an in-place op writes somewhere in the graph.
 
     Written: the tensor each in-place op writes, plus its ancestors (it may be a view of
     them); the inputs of other stateful ops (running statistics, collectives). A node reads
-    written memory if it, or any ancestor, is written. One forward sweep.
+    written memory if it, or any ancestor, is written. One forward sweep. ``mutates`` and
+    ``side_effects`` stand for :func:`mutates_input` and :func:`has_side_effects` (cached
+    versions of them, for instance).
     """
     written: set[fx.Node] = set()
     work: list[fx.Node] = []
     for n in graph.nodes:
-        if mutates_input(n):
+        if mutates(n):
             work.extend(n.all_input_nodes[:1])
-        elif n.op in ("call_function", "call_method") and has_side_effects(n) and not is_random(n):
+        elif n.op in ("call_function", "call_method") and side_effects(n) and not is_random(n):
             work.extend(n.all_input_nodes)
     while work:
         n = work.pop()
@@ -137,12 +144,15 @@ class Dedup(LocalRule):
         """Called on the first node of each sweep: fresh table, fresh view of mutations."""
         self._graph = ctx.graph
         self._seen = {}
-        self._tainted = _reading_written_memory(ctx.graph)
+        # Cached for the whole run: each pass sweeps every node, and most are unchanged.
+        self._tainted = _reading_written_memory(
+            ctx.graph, ctx.cached(mutates_input), ctx.cached(has_side_effects)
+        )
 
     def match(self, node: fx.Node, ctx: RewriteContext) -> Any:
         if self._graph is not ctx.graph or node is next(iter(ctx.graph.nodes)):
             self._start(ctx)
-        key = cse_key(node)
+        key = ctx.cached(cse_key)(node)
         if key is None:
             return None
         twin = self._seen.get(key)

@@ -7,18 +7,24 @@ node (blocks until the data is there). The rule reorders the graph so that
   (the ids' preprocessing, the lookups feeding an output all-to-all) are scheduled before
   any node that does not feed a request. Models written in the wrong order (the dense tower
   before the sparse lookup, as TorchRec's DLRM does) get fixed by the same move;
-* each wait is sunk to just before its first use: compute that does not depend on it (the
-  dense arch, another collection's lookup) runs in between. A wait whose result feeds a later
-  request (the ids all-to-all feeding the lookup feeding the pooled all-to-all) is on that
-  request's cone and is not sunk: independent compute then fills the window of the last
-  collective of the chain.
+* each wait comes as late as it can, with independent compute (the dense arch, another
+  collection's lookup) before it. Collectives often form a chain, request -> wait ->
+  request -> wait (the id counts give the split sizes of the ids all-to-all, whose ids feed
+  the lookup feeding the pooled all-to-all): a wait on the cone of a later request is only
+  deferred, not sunk, and independent compute is shared among the chain's windows so that
+  each exchange is hidden, not only the last. Each window of the chain gets an equal share
+  of the compute runnable when it opens (by a rough per-row cost, :func:`compute_cost`); a
+  wait that feeds no request (the end of a chain) is sunk to just before its first use and
+  its window takes the rest.
 
 Guarantees. Only the order of nodes changes: no node is added, removed or rewritten, so
 outputs and gradients are those of the original graph, bit for bit. Data dependencies are
 kept, and so is the relative order of side-effecting nodes (collectives among themselves,
 mutations, RNG draws, stateful modules), except that a collective may pass a random op (they
-share no state). Every rank runs the same deterministic schedule on the same graph, so
-collectives are issued in the same order everywhere.
+share no state). Requests are never reordered among themselves, so collectives are issued
+in the same order on every rank whatever else moves. The schedule is deterministic and
+depends only on the graph and per-row costs, so ranks that trace the same graph and differ
+only in batch size (uneven local batches) run the same schedule.
 
 Memory bound. Moving a node earlier extends the lifetime of its output. The rule sums the
 output bytes (from metadata) of every node it moves ahead of a node that used to precede
@@ -48,7 +54,7 @@ from fxrec.graph.rule import LocalRule, RewriteContext, register
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["OverlapComm", "comm_kind", "schedule"]
+__all__ = ["OverlapComm", "comm_kind", "compute_cost", "schedule"]
 
 _FUNCTIONAL_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd")
 _WAIT_NAMES = ("wait_tensor",)
@@ -115,44 +121,201 @@ def _ancestors_of(roots: Sequence[fx.Node], deps: dict[fx.Node, set[fx.Node]]) -
     return seen
 
 
+_MATMUL_FUNCTIONS = {
+    torch.nn.functional.linear,
+    torch.matmul,
+    torch.mm,
+    torch.bmm,
+    torch.addmm,
+    torch._C._nn.linear,
+}
+_MATMUL_ATEN = ("mm", "addmm", "bmm", "matmul", "linear")
+
+
+def _row_numel(x: Any) -> int:
+    """Elements per row of the leading dimension (1 for scalars and vectors)."""
+    if isinstance(x, meta.TensorInfo):
+        n = 1
+        for s in x.shape[1:]:
+            n *= s if isinstance(s, int) else 1
+        return n
+    if isinstance(x, (list, tuple)):
+        return sum(_row_numel(y) for y in x)
+    return 1
+
+
+def _reduction(node: fx.Node) -> int:
+    """The inner dimension of a matmul-like node (1 otherwise)."""
+    if node.op == "call_module":
+        try:
+            mod = node.graph.owning_module.get_submodule(node.target)
+        except AttributeError:
+            return 1
+        return int(mod.in_features) if isinstance(mod, torch.nn.Linear) else 1
+    if node.op == "call_method" and node.target in _MATMUL_ATEN:
+        return _inner_dim(node.args[0])
+    if node.op != "call_function":
+        return 1
+    target = node.target
+    packet = getattr(target, "overloadpacket", None)
+    is_mm = target in _MATMUL_FUNCTIONS or (
+        packet is not None and getattr(packet, "__name__", "") in _MATMUL_ATEN
+    )
+    if not is_mm:
+        return 1
+    lhs = node.args[1] if getattr(target, "__name__", "").startswith("addmm") else node.args[0]
+    return _inner_dim(lhs)
+
+
+def _inner_dim(lhs: Any) -> int:
+    ti = meta.info(lhs)
+    if isinstance(ti, meta.TensorInfo) and ti.ndim and isinstance(ti.shape[-1], int):
+        return ti.shape[-1]
+    return 1
+
+
+def compute_cost(node: fx.Node) -> int:
+    """Rough work of a node, per row of the leading (batch) dimension.
+
+    Per row so that ranks whose inputs differ only in batch size (uneven local batches)
+    get the same costs, hence the same schedule. Output elements, times the inner dimension
+    for matmul-like nodes; 1 without metadata; 0 for nodes that compute nothing.
+    """
+    if node.op in ("placeholder", "output", "get_attr"):
+        return 0
+    return max(1, _row_numel(meta.info(node)) * _reduction(node))
+
+
+def _wait_masks(nodes: Sequence[fx.Node], deps: dict[fx.Node, set[fx.Node]]) -> dict:
+    """For each node, the waits it depends on (itself included), as a bit mask.
+
+    ``nodes`` in graph order, which is topological for ``deps`` too (effect edges and the
+    output's edges only point forward).
+    """
+    waits = [n for n in nodes if comm_kind(n) == "wait"]
+    bit = {n: 1 << i for i, n in enumerate(waits)}
+    mask: dict[fx.Node, int] = {}
+    for n in nodes:
+        m = bit.get(n, 0)
+        for d in deps[n]:
+            m |= mask[d]
+        mask[n] = m
+    return mask
+
+
+class _Ready:
+    """Ready nodes of one priority class, lowest current position first."""
+
+    def __init__(self, pos: dict[fx.Node, int]) -> None:
+        self.pos = pos
+        self.heap: list[tuple[int, str, fx.Node]] = []
+
+    def push(self, n: fx.Node) -> None:
+        heapq.heappush(self.heap, (self.pos[n], n.name, n))
+
+    def peek(self) -> fx.Node | None:
+        return self.heap[0][2] if self.heap else None
+
+    def pop(self) -> fx.Node:
+        return heapq.heappop(self.heap)[2]
+
+
+class _Scheduler:
+    """List scheduling with windows; see :func:`schedule`."""
+
+    def __init__(self, nodes: list[fx.Node], requests: list[fx.Node]) -> None:
+        pos = {n: i for i, n in enumerate(nodes)}
+        self.deps = _dependencies(nodes)
+        urgent = _ancestors_of(requests, self.deps)
+        self.cost = {n: compute_cost(n) for n in nodes}
+        self.wait_mask = _wait_masks(nodes, self.deps)
+        self.done_waits = 0
+        self.klass: dict[fx.Node, str] = {}
+        for n in nodes:
+            wait = comm_kind(n) == "wait"
+            if n.op == "placeholder" or (n in urgent and not wait):
+                self.klass[n] = "urgent"
+            elif wait:
+                self.klass[n] = "chain_wait" if n in urgent else "tail_wait"
+            else:
+                self.klass[n] = "free"
+        self.ready = {k: _Ready(pos) for k in ("urgent", "chain_wait", "free", "tail_wait")}
+        self.unscheduled = set(nodes)
+        self.users: dict[fx.Node, list[fx.Node]] = {n: [] for n in nodes}
+        self.indeg = {n: len(d) for n, d in self.deps.items()}
+        for n, d in self.deps.items():
+            for m in d:
+                self.users[m].append(n)
+        for n in nodes:
+            if self.indeg[n] == 0:
+                self.ready[self.klass[n]].push(n)
+        self.order: list[fx.Node] = []
+        self.budget: float | None = None  # None: no window open
+        self.spent = 0.0
+
+    def emit(self, n: fx.Node) -> None:
+        self.order.append(n)
+        self.unscheduled.discard(n)
+        if self.klass[n] in ("chain_wait", "tail_wait"):
+            self.done_waits |= self.wait_mask[n]
+        for u in self.users[n]:
+            self.indeg[u] -= 1
+            if self.indeg[u] == 0:
+                self.ready[self.klass[u]].push(u)
+
+    def open_window(self) -> float:
+        """Share of the compute runnable now that this window gets (an equal split)."""
+        pending = ~self.done_waits
+        available = sum(
+            self.cost[n]
+            for n in self.unscheduled
+            if self.klass[n] == "free" and not self.wait_mask[n] & pending
+        )
+        tail = any(self.klass[n] == "tail_wait" for n in self.unscheduled)
+        windows = sum(self.klass[n] == "chain_wait" for n in self.unscheduled) + int(tail)
+        return available / max(1, windows)
+
+    def step(self) -> fx.Node:
+        """The next node: urgent, else fill the open window, else free, else a tail wait."""
+        r = self.ready
+        if r["urgent"].peek() is not None:
+            return r["urgent"].pop()
+        if r["chain_wait"].peek() is not None:
+            if self.budget is None:
+                self.budget, self.spent = self.open_window(), 0.0
+            cand = r["free"].peek()
+            if cand is not None and self.spent + self.cost[cand] / 2 <= self.budget:
+                self.spent += self.cost[cand]
+                return r["free"].pop()
+            self.budget = None
+            return r["chain_wait"].pop()
+        if r["free"].peek() is not None:
+            return r["free"].pop()
+        return r["tail_wait"].pop()
+
+    def run(self) -> list[fx.Node]:
+        while any(q.peek() is not None for q in self.ready.values()):
+            self.emit(self.step())
+        return self.order
+
+
 def schedule(graph: fx.Graph) -> list[fx.Node] | None:
     """The overlapped order of ``graph``'s nodes, or None if it has no collective.
 
-    List scheduling with three priority classes, ties broken by the current position:
-    0 = placeholders and the cones of requests (issue them first), 1 = everything else,
-    2 = waits that feed no request (as late as their users allow). Applying it to its own
-    result gives the same order (the rule reaches a fixed point at once).
+    List scheduling; among ready nodes of a class, the earliest in the current order goes
+    first. Classes: *urgent* (placeholders, requests and their input cones, except waits)
+    runs as soon as ready. A *chain wait* (a wait on some request's cone) opens a window:
+    ready *free* compute (feeding no request) runs first, up to an equal share of the
+    compute runnable at that point among the windows left (by :func:`compute_cost`; a node
+    goes in if at least half of it fits), then the wait. Free compute left after the chain runs before *tail waits* (feeding no
+    request), which go as late as their users allow. Applying it to its own result gives
+    the same order (the rule reaches a fixed point at once).
     """
     nodes = list(graph.nodes)
     requests = [n for n in nodes if comm_kind(n) == "request"]
     if not requests:
         return None
-    pos = {n: i for i, n in enumerate(nodes)}
-    deps = _dependencies(nodes)
-    urgent = _ancestors_of(requests, deps)
-    cls: dict[fx.Node, int] = {}
-    for n in nodes:
-        if n.op == "placeholder" or n in urgent:
-            cls[n] = 0
-        elif comm_kind(n) == "wait":
-            cls[n] = 2
-        else:
-            cls[n] = 1
-    users: dict[fx.Node, list[fx.Node]] = {n: [] for n in nodes}
-    indeg = {n: len(d) for n, d in deps.items()}
-    for n, d in deps.items():
-        for m in d:
-            users[m].append(n)
-    heap = [(cls[n], pos[n], n.name, n) for n in nodes if indeg[n] == 0]
-    heapq.heapify(heap)
-    order: list[fx.Node] = []
-    while heap:
-        *_, n = heapq.heappop(heap)
-        order.append(n)
-        for u in users[n]:
-            indeg[u] -= 1
-            if indeg[u] == 0:
-                heapq.heappush(heap, (cls[u], pos[u], u.name, u))
+    order = _Scheduler(nodes, requests).run()
     if len(order) != len(nodes):
         raise RuntimeError("fxrec overlap: dependency cycle while scheduling (a bug)")
     return order

@@ -1,4 +1,5 @@
-"""Parallel unary pointwise ops become one: tanh, sigmoid, relu, gelu, silu, clamp, casts...
+"""Parallel pointwise ops become one: tanh, sigmoid, relu, gelu, silu, clamp, casts, and the
+binary add, sub, mul, div, maximum, minimum.
 
 Every common spelling matches (``torch.tanh``, ``Tensor.tanh``, ``F.tanh``, ``nn.Tanh``), which
 Inductor's batch fusions miss. Members must agree on the op and its extra arguments, dtype
@@ -9,6 +10,7 @@ different random numbers than N masks.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -18,11 +20,19 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
+from fxrec.graph.cost import cache_reason
 from fxrec.graph.effects import mutates_input
-from fxrec.graph.horizontal import gather, scatter
+from fxrec.graph.horizontal import Gathered, gather, scatter
 from fxrec.graph.rule import HorizontalRule, RewriteContext, register
 
-__all__ = ["UnaryOp", "unary_op", "FuseParallelUnary"]
+__all__ = [
+    "BinaryOp",
+    "UnaryOp",
+    "binary_op",
+    "unary_op",
+    "FuseParallelBinary",
+    "FuseParallelUnary",
+]
 
 # canonical name -> (functions, method names, module types)
 _SPELLINGS: dict[str, tuple[set[Any], set[str], tuple[type, ...]]] = {
@@ -174,6 +184,9 @@ class FuseParallelUnary(HorizontalRule):
         return (op.name, op.extra, ti.dtype, ti.device, ti.ndim, ti.shape[:-1], mutates_input(node))
 
     def refuse_reason(self, group: Sequence[fx.Node], ctx: RewriteContext) -> str | None:
+        slower = cache_reason(group, ctx.device_type)
+        if slower is not None:
+            return slower
         if mutates_input(group[0]):
             return "in-place op: fusing would lose the write to each input"
         op = unary_op(group[0], ctx)
@@ -202,3 +215,137 @@ class FuseParallelUnary(HorizontalRule):
             ctx.replace(member, out)
         ctx.erase_if_dead(group)
         self.fired(ctx, group, f"{ops[0].name} x{len(group)}" + (" (cat)" if g.copied else ""))  # type: ignore[union-attr]
+
+
+# -- binary ops --------------------------------------------------------------------------------
+_BINARY: dict[str, tuple[set[Any], set[str]]] = {
+    "add": ({torch.add, operator.add, torch.Tensor.add}, {"add"}),
+    "sub": ({torch.sub, operator.sub, torch.Tensor.sub}, {"sub"}),
+    "mul": ({torch.mul, operator.mul, torch.Tensor.mul}, {"mul"}),
+    "div": ({torch.div, operator.truediv, torch.Tensor.div}, {"div"}),
+    "maximum": ({torch.maximum}, {"maximum"}),
+    "minimum": ({torch.minimum}, {"minimum"}),
+}
+_BINARY_FN = {fn: name for name, (fns, _) in _BINARY.items() for fn in fns}
+_BINARY_METHOD = {m: name for name, (_, ms) in _BINARY.items() for m in ms}
+_BINARY_APPLY = {
+    "add": torch.add,
+    "sub": torch.sub,
+    "mul": torch.mul,
+    "div": torch.div,
+    "maximum": torch.maximum,
+    "minimum": torch.minimum,
+}
+
+
+@dataclass(frozen=True)
+class BinaryOp:
+    """``op(lhs, rhs, **extra)``: each side a node, or a number shared by every member."""
+
+    name: str
+    lhs: fx.Node | float | int
+    rhs: fx.Node | float | int
+    extra: tuple[tuple[str, Any], ...]  # alpha (add/sub), rounding_mode (div)
+
+
+def binary_op(node: fx.Node) -> BinaryOp | None:
+    """Recognise any out-of-place spelling of a supported binary pointwise op."""
+    if node.op == "call_function" and node.target in _BINARY_FN:
+        name = _BINARY_FN[node.target]
+    elif node.op == "call_method" and node.target in _BINARY_METHOD:
+        name = _BINARY_METHOD[node.target]
+    else:
+        return None
+    if len(node.args) != 2 or set(node.kwargs) - {"alpha", "rounding_mode"}:
+        return None
+    lhs, rhs = node.args
+    sides = [s for s in (lhs, rhs) if isinstance(s, fx.Node)]
+    if not sides or any(
+        not isinstance(s, (fx.Node, int, float)) or isinstance(s, bool) for s in (lhs, rhs)
+    ):
+        return None
+    return BinaryOp(name, lhs, rhs, tuple(sorted(node.kwargs.items())))
+
+
+def _side_key(side: Any, ctx: RewriteContext) -> Hashable | None:
+    if not isinstance(side, fx.Node):
+        return ("number", side)
+    ti = ctx.info(side)
+    if ti is None or not ti.static or ti.ndim == 0:
+        return None
+    return ("tensor", ti.dtype, ti.shape)
+
+
+@register
+class FuseParallelBinary(HorizontalRule):
+    """N independent ``op(a_i, b_i)`` -> ``op(gather(a), gather(b))``, split back.
+
+    Tensor operands must have the member's full shape (no broadcasting: a broadcast operand
+    would need repeating); a number operand must be the same for every member. Both sides are
+    gathered the same way: a view where the operands are consecutive pieces of one tensor, a
+    ``cat`` otherwise, which the rule weighs against the launches it saves.
+    """
+
+    name = "parallel_binary"
+    family = "pointwise"
+
+    def key(self, node: fx.Node, ctx: RewriteContext) -> Hashable | None:
+        op = binary_op(node)
+        oi = ctx.info(node)
+        if op is None or oi is None or not oi.static or oi.ndim == 0:
+            return None
+        sides = [_side_key(s, ctx) for s in (op.lhs, op.rhs)]
+        if any(s is None for s in sides):
+            return None
+        if any(s[0] == "tensor" and s[2] != oi.shape for s in sides):  # type: ignore[index]
+            return None  # broadcasting
+        kinds = tuple(s[:2] if s[0] == "tensor" else s for s in sides)  # type: ignore[index]
+        return ("binary", op.name, op.extra, kinds, oi.dtype, oi.device, oi.ndim, oi.shape[:-1])
+
+    def refuse_reason(self, group: Sequence[fx.Node], ctx: RewriteContext) -> str | None:
+        slower = cache_reason(group, ctx.device_type)
+        if slower is not None:
+            return slower
+        from fxrec.graph.pieces import contiguous_range
+
+        ops = [binary_op(n) for n in group]
+        copies = sum(
+            isinstance(getattr(ops[0], side), fx.Node)
+            and contiguous_range([getattr(o, side) for o in ops]) is None
+            for side in ("lhs", "rhs")
+        )
+        if copies and len(group) < 2 + 2 * copies:
+            return f"{copies} operand(s) need a cat: {len(group)} members do not pay for it"
+        return None
+
+    def fuse(self, group: Sequence[fx.Node], ctx: RewriteContext) -> None:
+        ops: list[BinaryOp] = [binary_op(n) for n in group]  # type: ignore[misc]
+        first = ops[0]
+        tensor_side = "lhs" if isinstance(first.lhs, fx.Node) else "rhs"
+        g = gather(ctx, [getattr(o, tensor_side) for o in ops], -1)
+        if g is None:
+            self.refuse(ctx, group, "inputs have no static shape")
+            return
+        args = []
+        for side in ("lhs", "rhs"):
+            if not isinstance(getattr(first, side), fx.Node):
+                args.append(getattr(first, side))
+            elif side == tensor_side:
+                args.append(g.node)
+            else:
+                args.append(_gather_like(ctx, [getattr(o, side) for o in ops], g))
+        fused = ctx.call(_BINARY_APPLY[first.name], tuple(args), dict(first.extra))
+        for member, out in zip(group, scatter(ctx, fused, g)):
+            ctx.replace(member, out)
+        ctx.erase_if_dead(group)
+        self.fired(ctx, group, f"{first.name} x{len(group)}")
+
+
+def _gather_like(ctx: RewriteContext, inputs: Sequence[fx.Node], like: Gathered) -> fx.Node:
+    """``inputs`` side by side exactly as ``like`` holds the other operand."""
+    g = gather(ctx, inputs, like.dim if not like.squeezed else -1)
+    if g is not None and g.dim == like.dim and g.squeezed == like.squeezed:
+        return g.node
+    if like.squeezed:
+        return ctx.call(torch.stack, (list(inputs), like.dim))
+    return ctx.call(torch.cat, (list(inputs), like.dim))

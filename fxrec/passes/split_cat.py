@@ -14,6 +14,8 @@ drop_single_split   a split (chunk) into one piece -> its input                 
 merge_splits        split of a split's piece -> one split of the outer input          0 -> 0
 cat_of_split        ``cat`` of a split's pieces in order -> the input (a ``narrow``    1 -> 0
                     view for a sub-range); ``stack`` of ``unbind`` pieces likewise
+cat_run_of_pieces   inside a longer ``cat``, a run of in-order pieces of one        1 -> 1
+                    tensor -> one view of it (one autograd input instead of k)
 split_of_cat        ``split(cat([a, b, c]))`` with matching sizes -> ``a, b, c``      1 -> 0
 stack_of_pieces     ``stack`` of consecutive equal pieces of one tensor -> an           1 -> 0
                     ``unflatten`` (+ ``movedim``) view of it
@@ -45,6 +47,7 @@ __all__ = [
     "DropSingleSplit",
     "MergeSplits",
     "CatOfSplit",
+    "CatRunOfPieces",
     "SplitOfCat",
     "StackOfPieces",
     "cat_args",
@@ -349,6 +352,106 @@ class CatOfSplit(LocalRule):
         ctx.replace(node, new)
         ctx.erase_if_dead([node, *inputs])
         self.fired(ctx, [node], f"{kind} of {'all' if whole else total} pieces")
+
+
+@register
+class CatRunOfPieces(LocalRule):
+    """Inside a longer ``cat``, all pieces of one tensor in order are one view of it.
+
+    ``cat([d, p0, p1, ..., pk], 1)`` with ``p_i`` every piece of ``t`` in order (split along
+    the cat dim, or ``unbind`` along the dim before it) -> ``cat([d, view], 1)``: the cat still
+    copies the same bytes, but autograd keeps one input instead of k (its backward splits the
+    gradient into 2 slices, not k + 1, and the unbind's backward no longer re-stacks them).
+    A cat made only of pieces is :class:`CatOfSplit`'s.
+    """
+
+    name = "cat_run_of_pieces"
+    family = "split_cat"
+
+    def match(self, node: fx.Node, ctx: RewriteContext) -> Any:
+        c = cat_args(node)
+        if c is None or c[0] != "cat" or not isinstance(c[1], list) or len(c[1]) < 3:
+            return None
+        inputs, dim = c[1], c[2]
+        oi = ctx.info(node)
+        if oi is None or written_in_place(node):
+            return None
+        d = dim % oi.ndim
+        runs = [r for r in _piece_runs(inputs, d) if r[1] - r[0] >= 2 and _whole(inputs, r)]
+        if not runs or (len(runs) == 1 and runs[0][1] - runs[0][0] == len(inputs)):
+            return None
+        return d, runs
+
+    def rewrite(self, node: fx.Node, match: Any, ctx: RewriteContext) -> None:
+        d, runs = match
+        inputs = list(cat_args(node)[1])  # type: ignore[index]
+        new_inputs: list[Any] = []
+        pos = 0
+        with ctx.graph.inserting_before(node):
+            for lo, hi in runs:
+                new_inputs.extend(inputs[pos:lo])
+                new_inputs.append(_run_view(ctx, [piece_of(x) for x in inputs[lo:hi]]))  # type: ignore[misc]
+                pos = hi
+            new_inputs.extend(inputs[pos:])
+            new = ctx.call(torch.cat, (new_inputs, d))
+        ctx.replace(node, new)
+        ctx.erase_if_dead([node, *inputs])
+        self.fired(ctx, [node], f"{sum(hi - lo for lo, hi in runs)} pieces -> {len(runs)} view(s)")
+
+
+def _piece_runs(inputs: list[Any], d: int) -> list[tuple[int, int]]:
+    """Maximal [lo, hi) runs of consecutive in-order pieces of one base that a cat on ``d`` joins."""
+    runs: list[tuple[int, int]] = []
+    lo, prev = 0, None
+    for i, x in enumerate([*inputs, None]):
+        p = piece_of(x) if isinstance(x, fx.Node) else None
+        if p is not None and not _joinable(p, d):
+            p = None
+        follows = (
+            p is not None
+            and prev is not None
+            and p.base is prev.base
+            and p.dim == prev.dim
+            and p.squeezed == prev.squeezed
+            and p.start == prev.start + prev.length
+        )
+        if not follows:
+            if prev is not None:
+                runs.append((lo, i))
+            lo = i
+        prev = p
+    return runs
+
+
+def _whole(inputs: list[Any], run: tuple[int, int]) -> bool:
+    """Does the run hold every piece of its base? A part of it would leave the other pieces
+    reading the split while the run reads a view: backward then pays zeros for the pieces
+    each side does not use, and a sum of the two."""
+    first, last = piece_of(inputs[run[0]]), piece_of(inputs[run[1] - 1])
+    bi = meta.info(first.base)  # type: ignore[union-attr]
+    return first.start == 0 and last.start + last.length == bi.shape[first.dim]  # type: ignore[union-attr]
+
+
+def _joinable(p: Piece, d: int) -> bool:
+    """Can a cat along ``d`` of consecutive pieces like ``p`` be written as a view of the base?"""
+    bi = meta.info(p.base)
+    if not isinstance(bi, meta.TensorInfo) or not isinstance(bi.shape[p.dim], int):
+        return False
+    if p.squeezed:  # unbind pieces along u: cat on u joins base dims u and u + 1
+        return d == p.dim and p.dim + 1 < bi.ndim
+    return d == p.dim
+
+
+def _run_view(ctx: RewriteContext, pieces: list[Piece]) -> fx.Node:
+    first, total = pieces[0], sum(p.length for p in pieces)
+    base, dim = first.base, first.dim
+    bi = meta.info(base)
+    x = base
+    if first.start != 0 or total != bi.shape[dim]:  # type: ignore[union-attr]
+        x = ctx.call_method("narrow", (x, dim, first.start, total))
+    if first.squeezed:
+        x = ctx.call_method("flatten", (x, dim, dim + 1))
+    return x
 
 
 @register

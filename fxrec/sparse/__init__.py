@@ -14,7 +14,13 @@ from fxrec.sparse.keyed_tensor import KeyedTensor
 from fxrec.sparse.ops import permute_and_split
 from fxrec.sparse.permute import fbgemm_available, get_backend, set_backend
 from fxrec.sparse.pytree import register_pytrees
-from fxrec.sparse.tensordict_interop import kjt_from_tensordict, kjt_to_tensordict
+from fxrec.sparse.tensordict_interop import (
+    kjt_from_tensordict,
+    kjt_to_tensordict,
+    prepare_kjt,
+    record_conversions,
+    tensordict_from_jagged,
+)
 from fxrec.sparse.torchrec_interop import from_torchrec, to_torchrec
 from fxrec.sparse.validation import set_validation, validation_disabled, validation_enabled
 
@@ -31,8 +37,11 @@ __all__ = [
     "kjt_to_tensordict",
     "pack_features",
     "permute_and_split",
+    "prepare_kjt",
+    "record_conversions",
     "set_backend",
     "set_validation",
+    "tensordict_from_jagged",
     "to_torchrec",
     "unpack_features",
     "validation_disabled",

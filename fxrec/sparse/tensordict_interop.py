@@ -18,14 +18,21 @@ If every feature has the same batch size the TensorDict gets ``batch_size=[B]``;
 
 The conversion to a KJT is a host hot path: one ``cat`` for values, one for offsets (lengths
 come out of it in one vectorised step), one for weights, and a single small host read that
-both checks the layout and yields ``length_per_key``; no per-row work. NJTs that carry both
-offsets and lengths (non-contiguous, e.g. from ``torch.nested.narrow``) or offsets that do not
-start at 0 are compacted correctly, per feature, off the fast path.
+both checks the layout and yields ``length_per_key``; no per-row work. When the features'
+values are already adjacent slices of one buffer in key order (a loader that fills one
+buffer, or :func:`kjt_to_tensordict`), the KJT's values are a view of that buffer and nothing
+is copied; the same holds for offsets and weights. NJTs that carry both offsets and lengths
+(non-contiguous, e.g. from ``torch.nested.narrow``) or offsets that do not start at 0 are
+compacted correctly, per feature, off the fast path.
+
+A pipeline's host stage can convert ahead of the step with :func:`prepare_kjt`; the model's
+own ``kjt_from_tensordict`` on that TensorDict then returns the prepared KJT.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -35,7 +42,15 @@ from fxrec.sparse import validation as V
 from fxrec.sparse.keyed_jagged_tensor import KeyedJaggedTensor
 from fxrec.sparse.segments import cumsum_list, single_threaded
 
-__all__ = ["kjt_from_tensordict", "kjt_to_tensordict", "is_njt"]
+__all__ = [
+    "is_njt",
+    "kjt_from_tensordict",
+    "kjt_to_tensordict",
+    "prepare_kjt",
+    "prepared_kjts",
+    "record_conversions",
+    "tensordict_from_jagged",
+]
 
 try:
     from torch.nested._internal.nested_tensor import NestedTensor as _NJT
@@ -48,6 +63,149 @@ def is_njt(x: Any) -> bool:
     if _NJT is not None:
         return type(x) is _NJT
     return isinstance(x, torch.Tensor) and x.is_nested and x.layout == torch.jagged
+
+
+# -- building TensorDicts ------------------------------------------------------------------------
+
+
+def _njt(values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``nested_tensor_from_jagged(values, offsets)`` at a quarter of its host cost.
+
+    The public constructor dispatches a view op through Python (~60 us per NJT); building the
+    NJT directly (~15 us) gives the same tensor, minus the autograd view link, so it is used
+    only where no link is needed (no grad, not tracing or compiling).
+    """
+    if (
+        _NJT is None
+        or type(values) is not torch.Tensor
+        or type(offsets) is not torch.Tensor
+        or values.requires_grad
+        or torch._C._len_torch_dispatch_stack() > 0  # fake or proxy modes record the view op
+        or torch.compiler.is_compiling()
+    ):
+        return torch.nested.nested_tensor_from_jagged(values, offsets=offsets)
+    return _NJT(values, offsets)
+
+
+def _new_td(entries: dict[str, Any], batch: Sequence[int], device: torch.device | None) -> Any:
+    """A TensorDict of entries known to be consistent: no per-entry shape/device checks."""
+    new_unsafe = getattr(TensorDict, "_new_unsafe", None)
+    if new_unsafe is None:  # pragma: no cover - older tensordict
+        return TensorDict(entries, batch_size=list(batch), device=device)
+    return new_unsafe(entries, batch_size=torch.Size(batch), device=device)
+
+
+def tensordict_from_jagged(
+    keys: Sequence[str],
+    values: Sequence[torch.Tensor],
+    offsets: Sequence[torch.Tensor],
+    weights: Sequence[torch.Tensor] | None = None,
+) -> TensorDict:
+    """A TensorDict in this module's layout from per-feature ids, offsets (and weights).
+
+    For loaders: builds each NJT and TensorDict directly, without the per-entry checks of the
+    public constructors (several times cheaper per batch). Offsets are checked against the
+    values on conversion (:func:`kjt_from_tensordict`), not here. A feature's ids and weights
+    share its offsets tensor. Values that are adjacent slices of one buffer in key order
+    convert to a KJT without a copy.
+    """
+    n = len(keys)
+    if len(values) != n or len(offsets) != n or (weights is not None and len(weights) != n):
+        raise ValueError(
+            f"tensordict_from_jagged: {n} keys but {len(values)} values, {len(offsets)} "
+            f"offsets{'' if weights is None else f', {len(weights)} weights'}."
+        )
+    if not keys:
+        return TensorDict({}, batch_size=[])
+    strides = [o.shape[0] - 1 for o in offsets]
+    batch = [strides[0]] if all(s == strides[0] for s in strides) else []
+    device = values[0].device
+    entries: dict[str, Any] = {}
+    for i, k in enumerate(keys):
+        ids = _njt(values[i], offsets[i])
+        if weights is None:
+            entries[k] = ids
+        else:
+            w = _njt(weights[i], offsets[i])
+            entries[k] = _new_td({"values": ids, "weights": w}, [strides[i]], device)
+    return _new_td(entries, batch, device)
+
+
+# -- preparing a conversion ahead of the step ----------------------------------------------------
+
+_PREPARED = "_fxrec_prepared_kjts"
+_recorders: list[list[tuple[Any, list[str]]]] = []
+
+
+@contextlib.contextmanager
+def record_conversions() -> Iterator[list[tuple[Any, list[str]]]]:
+    """Collect ``(td, keys)`` for every :func:`kjt_from_tensordict` call in the block.
+
+    A pipeline runs its first step under it to learn which TensorDicts of a batch its model
+    converts, and with which keys, so that it can :func:`prepare_kjt` later batches.
+    """
+    log: list[tuple[Any, list[str]]] = []
+    _recorders.append(log)
+    try:
+        yield log
+    finally:
+        _recorders.remove(log)
+
+
+def _snapshot(entries: list[Any]) -> list[Any]:
+    """The objects a conversion read: entries and, for weighted ones, their two NJTs."""
+    out: list[Any] = []
+    for e in entries:
+        out.append(e)
+        if not is_njt(e) and isinstance(e, TensorDictBase):
+            store = getattr(e, "_tensordict", None)
+            if isinstance(store, dict):
+                out += [store.get("values"), store.get("weights")]
+            else:
+                out += [e.get("values", None), e.get("weights", None)]
+    return out
+
+
+def _same(a: list[Any], b: list[Any]) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+
+
+def prepare_kjt(td: TensorDictBase, keys: Sequence[str] | None = None) -> KeyedJaggedTensor:
+    """Convert ``td`` now and keep the KJT with it.
+
+    A later ``kjt_from_tensordict(td, keys)`` (same keys) returns this KJT without work, as
+    long as ``td``'s entries are the same objects; replacing an entry drops it. This moves the
+    conversion to whoever calls this first: a train pipeline's host stage, off the step. The
+    KJT is a snapshot: in-place edits of copied ids after this call are not seen.
+    """
+    keys = list(td.keys()) if keys is None else list(keys)
+    entries = _entries(td, keys) if keys else []
+    kjt = _convert(td, keys, entries)
+    cache = td.__dict__.get(_PREPARED)
+    if cache is None:
+        cache = {}
+        td.__dict__[_PREPARED] = cache
+    cache[tuple(keys)] = (_snapshot(entries), kjt)
+    return kjt
+
+
+def prepared_kjts(td: Any) -> list[KeyedJaggedTensor]:
+    """The KJTs :func:`prepare_kjt` kept with ``td`` (none for anything else)."""
+    cache = getattr(td, "__dict__", {}).get(_PREPARED) if isinstance(td, TensorDictBase) else None
+    return [kjt for _, kjt in cache.values()] if cache else []
+
+
+def _lookup(td: TensorDictBase, keys: list[str], entries: list[Any]) -> KeyedJaggedTensor | None:
+    cache = getattr(td, "__dict__", {}).get(_PREPARED)
+    if not cache:
+        return None
+    hit = cache.get(tuple(keys))
+    if hit is None or not _same(hit[0], _snapshot(entries)):
+        return None
+    return hit[1]
+
+
+# -- TensorDict -> KJT ---------------------------------------------------------------------------
 
 
 def _entries(td: TensorDictBase, keys: Sequence[str]) -> list[Any]:
@@ -65,6 +223,9 @@ def _entries(td: TensorDictBase, keys: Sequence[str]) -> list[Any]:
 
 def _split_weighted(key: str, e: Any) -> tuple[Any, Any]:
     if isinstance(e, TensorDictBase):
+        store = getattr(e, "_tensordict", None)  # plain dict: no per-get checks
+        if isinstance(store, dict) and "values" in store and "weights" in store:
+            return store["values"], store["weights"]
         try:
             return e.get("values"), e.get("weights")
         except KeyError:
@@ -89,12 +250,24 @@ def kjt_from_tensordict(td: TensorDictBase, keys: Sequence[str] | None = None) -
     """A KeyedJaggedTensor with the features ``keys`` (default: all, in the TD's order).
 
     Keeps weights (sub-TensorDict ``{"values", "weights"}`` entries) and per-feature batch
-    sizes. Raises ``ValueError`` naming the feature for malformed entries.
+    sizes. Raises ``ValueError`` naming the feature for malformed entries. Returns the KJT
+    :func:`prepare_kjt` kept for these keys, if any.
     """
     keys = list(td.keys()) if keys is None else list(keys)
+    for log in _recorders:
+        log.append((td, keys))
     if not keys:
         return KeyedJaggedTensor.empty()
     entries = _entries(td, keys)
+    prepared = _lookup(td, keys, entries)
+    if prepared is not None:
+        return prepared
+    return _convert(td, keys, entries)
+
+
+def _convert(td: TensorDictBase, keys: list[str], entries: list[Any]) -> KeyedJaggedTensor:
+    if not keys:
+        return KeyedJaggedTensor.empty()
     # A TensorDict's batch_size binds every entry's first dim: one batch size for all keys.
     batch = int(td.batch_size[0]) if len(td.batch_size) else None
     if set(map(type, entries)) == {_NJT}:  # one C-level pass: the common, unweighted case
@@ -142,17 +315,33 @@ def _weighted(
                 f"feature {k!r}: weights have {w._offsets.shape[0] - 1} rows but ids have "
                 f"{n._offsets.shape[0] - 1}."
             )
-    weights, w_lengths, _, _ = _concat(keys, wts, batch, ids=False)
-    if not all(w._offsets is n._offsets for w, n in zip(wts, ids)) and not torch.equal(
-        w_lengths, lengths
-    ):
-        raise ValueError(
-            "the weights' offsets differ from the ids' offsets; build each weights NJT with "
-            "the ids' offsets (nested_tensor_from_jagged(weights, ids.offsets()))."
-        )
+    if _shares_layout(wts, ids, lpk):
+        weights = _cat_values(keys, [w._values for w in wts])
+    else:
+        weights, w_lengths, _, _ = _concat(keys, wts, batch, ids=False)
+        if not torch.equal(w_lengths, lengths):
+            raise ValueError(
+                "the weights' offsets differ from the ids' offsets; build each weights NJT "
+                "with the ids' offsets (nested_tensor_from_jagged(weights, ids.offsets()))."
+            )
     if V.validation_enabled():
         V.check_weights(weights, values)
     return values, lengths, weights, spk, lpk
+
+
+def _shares_layout(wts: list[Any], ids: list[Any], lpk: list[int]) -> bool:
+    """Weights on the ids' own offsets, dense and complete: their values need no lengths work.
+
+    ``lpk`` (the ids' counts after any compaction) equal to both raw value counts rules out
+    holes and shifted offsets, which would need the weights compacted the same way.
+    """
+    return all(
+        w._offsets is n._offsets
+        and w._lengths is None
+        and n._lengths is None
+        and w._values.shape[0] == n._values.shape[0] == c
+        for w, n, c in zip(wts, ids, lpk)
+    )
 
 
 def _concat(
@@ -183,7 +372,7 @@ def _lengths_from_offsets(
     ids: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
     k = len(njts)
-    offsets = torch.cat(offs)
+    offsets = torch.cat(offs)  # small: cheaper than proving adjacency key by key
     s0 = spk[0]
     if all(s == s0 for s in spk):
         grid = offsets.view(k, s0 + 1)
@@ -217,8 +406,44 @@ def _lengths_from_offsets(
     return values, lengths, spk, last
 
 
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    """``torch.cat(parts)`` as a view, when the parts already lie end to end in one buffer.
+
+    A loader that fills one buffer (or :func:`kjt_to_tensordict`) gives such parts; the view
+    saves the copy. Separately allocated parts fail the address test at the first pair, so
+    other inputs pay about a microsecond. ``None``: not adjacent, so copy.
+    """
+    p0, end, total = None, 0, 0
+    size = parts[0].element_size()
+    for p in parts:  # addresses only (cheap C calls); empty parts have none (data_ptr 0)
+        n = p.numel()
+        if not n:
+            continue
+        if p0 is None:
+            p0, end = p, p.data_ptr()
+        elif p.data_ptr() != end:
+            return None
+        end += n * size
+        total += n
+    if p0 is None:
+        return None
+    d0 = p0.dtype
+    if not all(
+        p.dtype is d0 and p.dim() == 1 and p.is_contiguous() and not p.requires_grad
+        for p in parts
+    ):
+        return None
+    try:  # bounds-checked against p0's storage: the range is inside one live allocation
+        return p0.as_strided((total,), (1,))
+    except RuntimeError:
+        return None
+
+
 def _cat_values(keys: list[str], vals: list[torch.Tensor]) -> torch.Tensor:
-    """One ``cat``; per-bag values must be scalars (an NJT of shape ``[B, j]``)."""
+    """One ``cat`` (or a view, see :func:`_joined`); per-bag values must be scalars."""
+    joined = _joined(vals)
+    if joined is not None:
+        return joined
     try:
         values = torch.cat(vals)
     except RuntimeError:
@@ -277,7 +502,8 @@ def _concat_slow(
 def kjt_to_tensordict(kjt: KeyedJaggedTensor) -> TensorDict:
     """A TensorDict of jagged nested tensors, one per feature (see the module docstring).
 
-    Per-feature offsets come from one batched cumsum; each NJT views ``kjt.values()``.
+    Per-feature offsets are rows of one batched cumsum; each NJT views ``kjt.values()``, so
+    converting back is copy-free.
     """
     keys = kjt.keys()
     if not keys:
@@ -285,20 +511,10 @@ def kjt_to_tensordict(kjt: KeyedJaggedTensor) -> TensorDict:
     spk = kjt.stride_per_key()
     lpk = kjt.length_per_key()
     offsets = _per_key_offsets(kjt.lengths(), spk, lpk)
-    vals = torch.split(kjt.values(), lpk)
+    vals = list(torch.split(kjt.values(), lpk))
     w = kjt.weights_or_none()
-    wts = torch.split(w, lpk) if w is not None else None
-    uniform = not kjt.variable_stride_per_key() or all(s == spk[0] for s in spk)
-    batch = [spk[0]] if uniform else []
-    out: dict[str, Any] = {}
-    for i, k in enumerate(keys):
-        ids = torch.nested.nested_tensor_from_jagged(vals[i], offsets=offsets[i])
-        if wts is None:
-            out[k] = ids
-        else:
-            wn = torch.nested.nested_tensor_from_jagged(wts[i], offsets=offsets[i])
-            out[k] = TensorDict({"values": ids, "weights": wn}, batch_size=[spk[i]])
-    return TensorDict(out, batch_size=batch)
+    wts = list(torch.split(w, lpk)) if w is not None else None
+    return tensordict_from_jagged(keys, vals, offsets, wts)
 
 
 def _per_key_offsets(lengths: torch.Tensor, spk: list[int], lpk: list[int]) -> list[torch.Tensor]:

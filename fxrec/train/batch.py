@@ -15,18 +15,20 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
+from tensordict import TensorDictBase
+
+from fxrec.sparse import CombinedFeatures, JaggedTensor, KeyedJaggedTensor
+from fxrec.sparse.tensordict_interop import is_njt, prepared_kjts
 
 __all__ = ["Batch", "move", "transfer_count"]
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
     """Every tensor a device transfer of ``obj`` copies (NJT: its values and offsets)."""
-    from tensordict import TensorDictBase
-
-    from fxrec.sparse import CombinedFeatures, JaggedTensor, KeyedJaggedTensor
-
     if obj is None:
         return []
+    if is_njt(obj):  # the parts themselves: NJT.values() dispatches through Python
+        return [t for t in (obj._values, obj._offsets, obj._lengths) if t is not None]
     if isinstance(obj, torch.Tensor):
         if obj.is_nested and obj.layout == torch.jagged:
             parts = [obj.values(), obj.offsets(), getattr(obj, "_lengths", None)]
@@ -42,12 +44,21 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
         parts = [obj.values(), obj.weights_or_none(), obj.lengths_or_none(), obj.offsets_or_none()]
         return [t for t in parts if t is not None]
     if isinstance(obj, TensorDictBase):
+        store = getattr(obj, "_tensordict", None)  # plain dict of entries: no per-key checks
+        if isinstance(store, dict):
+            return [t for v in store.values() for t in _tensors(v)]
         return [t for v in obj.values(include_nested=True, leaves_only=True) for t in _tensors(v)]
     if isinstance(obj, Mapping):
         return [t for v in obj.values() for t in _tensors(v)]
     if isinstance(obj, (list, tuple)):
         return [t for v in obj for t in _tensors(v)]
     return [t for t in pytree.tree_leaves(obj) if isinstance(t, torch.Tensor)]
+
+
+def _prepared(obj: Any) -> list[Any]:
+    """KJTs a host stage prepared for the TensorDicts in ``obj`` (see ``prepare_kjt``)."""
+    parts = obj if isinstance(obj, (list, tuple)) else [obj]
+    return [k for p in parts for k in prepared_kjts(p)]
 
 
 def transfer_count(obj: Any) -> int:
@@ -99,6 +110,8 @@ class Batch:
         """Keep the copied tensors alive until ``stream``'s queued work has used them."""
         for t in _tensors(self.dense) + _tensors(self.sparse) + _tensors(self.labels):
             t.record_stream(stream)
+        for kjt in _prepared(self.sparse):  # made on the copy stream, read on ``stream``
+            kjt.record_stream(stream)
 
     def transfer_count(self) -> int:
         return (

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fxrec.train.batch import Batch
+from fxrec.train.prepare import TensorDictPrep
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,7 @@ class PipelineStats:
     failed: int = 0
     host_s: float = 0.0
     copies: int = 0
+    prepared: int = 0  # TensorDicts converted to KJTs in the host stage
 
 
 def bce_loss(output: Any, batch: Batch) -> torch.Tensor:
@@ -79,6 +81,9 @@ class TrainPipelineBase:
         loss_fn: ``loss_fn(output, batch) -> loss`` for :class:`Batch` inputs (default BCE).
         host_fn: host-side preparation applied to each batch before the copy (e.g. packing
             sparse features); its time is counted in ``stats.host_s``.
+        prepare_tensordicts: convert a batch's TensorDicts to KJTs in the host stage, as the
+            model's own first-batch conversions did (see :mod:`fxrec.train.prepare`); the
+            model still receives the TensorDicts and gets the same results.
     """
 
     def __init__(
@@ -89,6 +94,7 @@ class TrainPipelineBase:
         *,
         loss_fn: Callable[[Any, Batch], torch.Tensor] = bce_loss,
         host_fn: Callable[[Any], Any] | None = None,
+        prepare_tensordicts: bool = True,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -99,6 +105,7 @@ class TrainPipelineBase:
         self.loss_fn = loss_fn
         self.host_fn = host_fn
         self.stats = PipelineStats()
+        self._td_prep = TensorDictPrep(prepare_tensordicts)
         self._index = 0  # next batch index to draw
         self._closed = False
 
@@ -112,12 +119,16 @@ class TrainPipelineBase:
         if isinstance(item, Batch):
             self.stats.copies += item.transfer_count()
         moved = item.to(self.device, non_blocking=non_blocking) if hasattr(item, "to") else item
+        if isinstance(moved, Batch):
+            self.stats.prepared += self._td_prep.apply(moved)
         self.stats.host_s += time.perf_counter() - t0
         return moved
 
     def _forward(self, batch: Any) -> torch.Tensor:
         if isinstance(batch, Batch):
-            return self.loss_fn(self.model(batch.dense, batch.sparse), batch)
+            with self._td_prep.probe(batch):
+                out = self.model(batch.dense, batch.sparse)
+            return self.loss_fn(out, batch)
         out = self.model(batch)
         return out[0] if isinstance(out, (tuple, list)) else out
 
@@ -209,10 +220,18 @@ class TrainPipelineSparseDist(TrainPipelineBase):
         *,
         loss_fn: Callable[[Any, Batch], torch.Tensor] = bce_loss,
         host_fn: Callable[[Any], Any] | None = None,
+        prepare_tensordicts: bool = True,
         prefetch: int = 2,
         poll_s: float = 0.05,
     ) -> None:
-        super().__init__(model, optimizer, device, loss_fn=loss_fn, host_fn=host_fn)
+        super().__init__(
+            model,
+            optimizer,
+            device,
+            loss_fn=loss_fn,
+            host_fn=host_fn,
+            prepare_tensordicts=prepare_tensordicts,
+        )
         if prefetch < 1:
             raise ValueError(f"prefetch must be at least 1, got {prefetch}")
         self.prefetch = prefetch

@@ -18,7 +18,8 @@ from torch import nn
 
 import fxrec
 from fxrec.graph.capture import capture_symbolic
-from fxrec.passes.overlap import OverlapComm, comm_kind, moved_ahead, schedule
+from fxrec.graph.meta import set_info
+from fxrec.passes.overlap import OverlapComm, _apply, comm_kind, moved_ahead, schedule
 from tests.distributed.launch import run_ranks
 
 A2A = torch.ops._c10d_functional.all_to_all_single
@@ -218,6 +219,9 @@ def _check_random_graph(ops: list[int], rnd, group: str) -> None:
             vals.append(g.call_function(torch.sigmoid, (a,)))
     vals += [g.call_function(WAIT, (p,)) for p in pending]
     g.output(tuple(vals[2:]) if len(vals) > 2 else vals[0])
+    for n in g.nodes:  # uneven costs, so that windows split the compute unevenly
+        if n.op == "call_function":
+            set_info(n, torch.empty(2, rnd.randint(1, 64)))
     old = list(g.nodes)
     order = schedule(g)
     if order is None:
@@ -231,11 +235,86 @@ def _check_random_graph(ops: list[int], rnd, group: str) -> None:
     # a wait that feeds no request comes after every node not depending on it ... or right
     # before a user; and the schedule is a fixed point.
     gm = fx.GraphModule(nn.Module(), g)
-    from fxrec.passes.overlap import _apply
-
     _apply(gm.graph, order)
     assert schedule(gm.graph) == order
     assert moved_ahead(order, order) == []
+
+
+# -- a chain of collectives: compute in every window --------------------------------------
+def _windows(gm: fx.GraphModule) -> list[tuple[str, list[str]]]:
+    """(request, nodes scheduled between it and its wait) for each request with a wait."""
+    nodes = list(gm.graph.nodes)
+    out = []
+    for i, w in enumerate(nodes):
+        if comm_kind(w) != "wait":
+            continue
+        for r in w.all_input_nodes:
+            if comm_kind(r) == "request":
+                out.append((r.name, [n.name for n in nodes[nodes.index(r) + 1 : i]]))
+    return out
+
+
+class Chain(nn.Module):
+    """Three exchanges, each fed by the previous one's result, and a 6-layer dense tower."""
+
+    def __init__(self, group: str) -> None:
+        super().__init__()
+        self.group = group
+        layers: list[nn.Module] = []
+        for _ in range(3):
+            layers += [nn.Linear(8, 8), nn.ReLU()]
+        self.mlp = nn.Sequential(*layers)
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, dense: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        d = self.mlp(dense)  # written first: nothing overlaps as written
+        for _ in range(3):
+            x = self.proj(WAIT(A2A(x, [2, 2], [2, 2], self.group)))
+        return d.sum() + x.sum()
+
+
+def test_chain_gets_compute_in_every_window(fake_pg: str) -> None:
+    gm = capture_symbolic(Chain(fake_pg))
+    order = schedule(gm.graph)
+    _apply(gm.graph, order)
+    windows = _windows(gm)
+    assert len(windows) == 3
+    placed = [[n for n in between if n.startswith("mlp_")] for _, between in windows]
+    assert all(placed), windows
+    # topological order kept inside the tower, and all of it placed in windows
+    assert [n for p in placed for n in p] == [f"mlp_{i}" for i in range(6)]
+    assert schedule(gm.graph) == list(gm.graph.nodes)
+
+
+def test_chain_split_follows_costs(fake_pg: str) -> None:
+    model = Chain(fake_pg)
+    model.mlp[2] = nn.Linear(8, 512)  # one layer carries most of the work
+    model.mlp[4] = nn.Linear(512, 8)
+    example = (torch.randn(4, 8), torch.randn(4, 4))
+    opt = fxrec.optimize(model, example, rules=["overlap_comm"], check=False)
+    placed = [[n for n in b if n.startswith("mlp_")] for _, b in _windows(_optimized_graph(opt))]
+    assert all(placed), placed
+    # the heavy pair does not share a window: each gets its own exchange to hide
+    assert not any({"mlp_2", "mlp_4"} <= set(p) for p in placed), placed
+    gm = _optimized_graph(opt)
+    assert schedule(gm.graph) == list(gm.graph.nodes)
+
+
+def test_sharded_collection_chain_on_fake_group(fake_pg: str) -> None:
+    from fxrec.bench.overlap import DenseFirstDLRM
+    from fxrec.distributed import shard
+    from tests.distributed.test_sharded_ebc import make_ebc
+
+    model = DenseFirstDLRM(shard(make_ebc(n_tables=4)), 6, 16, 20)
+    gm = capture_symbolic(model)
+    requests = [n.name for n in gm.graph.nodes if comm_kind(n) == "request"]
+    _apply(gm.graph, schedule(gm.graph))
+    windows = _windows(gm)
+    assert [r for r, _ in windows] == ["request_counts", "send_ids", "request_pooled"]
+    for _, between in windows:
+        assert any(n.startswith("dense_") for n in between), windows
+    assert [n.name for n in gm.graph.nodes if comm_kind(n) == "request"] == requests
+    assert schedule(gm.graph) == list(gm.graph.nodes)
 
 
 # -- the real thing: sharded collection + dense arch on 2 gloo ranks ------------------------
@@ -267,12 +346,10 @@ def _dlrm_overlapped(rank: int, world: int) -> None:
     opt = fxrec.optimize(model, (dense, kjt), rules=["overlap_comm"])
     assert opt.fxrec_report.count("overlap_comm") == 1, str(opt.fxrec_report)
     gm = _optimized_graph(opt)
-    names = [n.name for n in gm.graph.nodes]
-    kinds = {n.name: comm_kind(n) for n in gm.graph.nodes}
-    req_pooled = max(i for i, n in enumerate(names) if kinds[n] == "request")
-    wait_pooled = max(i for i, n in enumerate(names) if kinds[n] == "wait")
-    dense_nodes = [names.index(f"dense_{i}") for i in range(3)]
-    assert req_pooled < min(dense_nodes) and max(dense_nodes) < wait_pooled
+    windows = _windows(gm)
+    assert [r for r, _ in windows] == ["request_counts", "send_ids", "request_pooled"]
+    for req, between in windows:
+        assert any(n.startswith("dense_") for n in between), (req, between)
 
     for step in range(2):
         kjt = make_batch(ebc, rank + 10 * step, batch, False)

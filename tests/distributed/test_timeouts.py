@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fxrec.distributed import CommError, init_distributed
+from fxrec.distributed import CommError, init_distributed, shard
 from fxrec.distributed.comm import blocked
 from tests.distributed.launch import free_port, run_ranks
 
@@ -44,6 +44,24 @@ def test_rank_that_dies_fails_the_others() -> None:
     # would be reported as "rank 0 failed" instead).
     with pytest.raises(AssertionError, match=r"exited abnormally: \[\(1, 3\)\]"):
         run_ranks(2, _one_rank_absent, True, timeout=TIMEOUT, deadline=30)
+
+
+def _absent_at_counts(rank: int, world: int) -> None:
+    from tests.distributed.test_sharded_ebc import make_batch, make_ebc
+
+    ebc = make_ebc(n_tables=2)
+    sharded = shard(ebc)
+    if rank == 1:
+        time.sleep(TIMEOUT + 3)  # alive but never sends its counts
+        return
+    t0 = time.monotonic()
+    with pytest.raises(CommError, match="rank 0: exchange of id counts"):
+        sharded(make_batch(ebc, rank, 3, False))  # asynchronous request, blocking wait
+    assert time.monotonic() - t0 < TIMEOUT + 2.0
+
+
+def test_async_count_exchange_times_out() -> None:
+    run_ranks(2, _absent_at_counts, timeout=TIMEOUT, deadline=30)
 
 
 def test_rendezvous_without_peers_times_out() -> None:

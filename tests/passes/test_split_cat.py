@@ -15,7 +15,14 @@ from torch import nn
 import fxrec
 from fxrec.graph.pieces import piece_of
 
-FAMILY = ["slices_to_split", "drop_single_split", "merge_splits", "cat_of_split", "split_of_cat"]
+FAMILY = [
+    "slices_to_split",
+    "drop_single_split",
+    "merge_splits",
+    "cat_of_split",
+    "cat_run_of_pieces",
+    "split_of_cat",
+]
 
 
 @pytest.fixture(autouse=True)
@@ -110,6 +117,49 @@ def test_cat_of_split_negative(fn) -> None:  # type: ignore[no-untyped-def]
     opt = _run(fn, (4, 9))
     assert opt.report.count("cat_of_split") == 0
     assert torch.cat in _targets(opt)
+
+
+# -- cat_run_of_pieces ---------------------------------------------------------------------
+def _cat_inputs(opt) -> list[list]:  # type: ignore[no-untyped-def]
+    return [list(n.args[0]) for n in _graph(opt).nodes if n.target is torch.cat]
+
+
+def test_run_of_split_pieces_inside_a_cat_is_one_view() -> None:
+    def fn(x: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+        p = torch.split(x, 2, 1)
+        return torch.cat([d, p[0], p[1], p[2], p[3], p[4], d * 2], 1)
+
+    opt = _run(fn, (3, 10), (3, 4))
+    assert opt.report.count("cat_run_of_pieces") == 1
+    (inputs,) = _cat_inputs(opt)
+    assert len(inputs) == 3 and inputs[1].op == "placeholder"  # the whole of x
+
+
+def test_run_of_unbind_pieces_inside_a_cat_is_one_flatten() -> None:
+    def fn(t: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+        u = torch.unbind(t.tanh(), 1)
+        return torch.cat([d, u[0], u[1], u[2], u[3], u[4]], 1)
+
+    opt = _run(fn, (3, 5, 4), (3, 2))
+    assert opt.report.count("cat_run_of_pieces") == 1
+    (inputs,) = _cat_inputs(opt)
+    assert len(inputs) == 2 and inputs[1].target == "flatten"
+    assert fxrec.count_kernels(opt, torch.randn(3, 5, 4), torch.randn(3, 2)).forward == 2
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda t, d: torch.cat([d, t.unbind(1)[3], t.unbind(1)[2], t.unbind(1)[1]], 1),  # order
+        lambda t, d: torch.cat([d, t.unbind(1)[0], t.unbind(1)[2]], 1),  # a gap
+        lambda t, d: torch.cat([d, t.unbind(1)[0], t.unbind(1)[1]], 1),  # part of t only
+        lambda t, d: torch.cat([d, t.unbind(2)[0], t.unbind(2)[1]], 1),  # unbind on another dim
+        lambda t, d: torch.cat([d, *[t.unbind(1)[i] for i in range(4)]], 1).add_(1),  # in place
+    ],
+)
+def test_cat_run_of_pieces_negative(fn) -> None:  # type: ignore[no-untyped-def]
+    opt = _run(fn, (3, 4, 4), (3, 4))
+    assert opt.report.count("cat_run_of_pieces") == 0
 
 
 def test_split_with_other_users_stays() -> None:

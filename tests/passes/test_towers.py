@@ -88,8 +88,9 @@ def test_towers_kernel_count_independent_of_n(separate: bool) -> None:
         assert counts[n][0] < eager[0] and counts[n][1] < eager[1]
         assert fired(opt, "parallel_linear_batched") == (3 if separate else 2)
     assert counts[4] == counts[8]
-    # per layer: one matmul, layer_norm + addcmul, relu; the final cat is a view
-    assert counts[8][0] == 12
+    # per layer: one matmul, layer_norm + addcmul, relu; then one cat: the towers' results
+    # are rows of one contiguous (N, B, d) tensor, joined along the feature dim
+    assert counts[8][0] == 13
 
 
 def test_eight_towers_forward_ops() -> None:
@@ -102,6 +103,7 @@ def test_eight_towers_forward_ops() -> None:
         "aten::native_layer_norm": 3,
         "aten::addcmul": 3,
         "aten::relu": 3,
+        "aten::cat": 1,  # the towers' (N, B, d) rows joined along the feature dim
     }
 
 
@@ -116,9 +118,9 @@ def test_mmoe_two_tasks() -> None:
         assert fired(opt, "parallel_linear_batched") >= 2  # expert layer 2, the 2 task towers
     assert counts[4] == counts[8]
     # one Linear for experts + gates; expert layer 2 and the two task layers as baddbmm;
-    # 3 relus; 2 x (softmax, mul, sum); the stack of the 2 mixtures; one sigmoid (the cat of
-    # the two task outputs is a view)
-    assert counts[8][0] == 15
+    # 3 relus; 2 x (softmax, mul, sum); the stack of the 2 mixtures; one sigmoid; the cat of
+    # the two task outputs (rows of one (2, B, 1) tensor)
+    assert counts[8][0] == 16
     ops = fxrec.count_kernels(opt, torch.randn(4, 8)).forward_ops
     assert ops == {
         "aten::addmm": 1,
@@ -129,6 +131,7 @@ def test_mmoe_two_tasks() -> None:
         "aten::sum": 2,
         "aten::stack": 1,
         "aten::sigmoid": 1,
+        "aten::cat": 1,
     }
     assert counts[8][0] < _counts(MMoE(experts=8), torch.randn(4, 8))[0]
 
