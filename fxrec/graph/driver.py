@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 import torch.fx as fx
 
+from fxrec.graph.effects import has_side_effects
 from fxrec.graph.rule import HorizontalRule, LocalRule, RewriteContext, Rule
-from fxrec.graph.search import Reachability, bucket, independent_sets, stable_toposort
+from fxrec.graph.search import Reachability, _is_ordered, independent_sets, stable_toposort
 
 logger = logging.getLogger(__name__)
 
@@ -43,10 +44,7 @@ def _run_horizontal(
 ) -> tuple[bool, bool]:
     """Returns (changed, deferred): deferred sets are retried on the next pass."""
     changed = deferred = False
-    candidates = (n for n in ctx.graph.nodes if reach.knows(n))
-    for members in bucket(candidates, lambda n: rule.key(n, ctx)).values():
-        if len(members) < rule.min_size:
-            continue
+    for members in _buckets(rule, ctx, reach).values():
         for group in independent_sets(members, reach, rule.max_size):
             if len(group) < rule.min_size:
                 continue
@@ -66,6 +64,27 @@ def _run_horizontal(
             reach.merge(group)
             changed = True
     return changed, deferred
+
+
+def _buckets(
+    rule: HorizontalRule, ctx: RewriteContext, reach: Reachability
+) -> dict[Hashable, list[fx.Node]]:
+    """Step 1 of the search over the nodes indexed at the start of the pass.
+
+    Buckets too small to hold a set are dropped here, before any dependency work.
+    """
+    key, index = rule.key, reach.index
+    out: dict[Hashable, list[fx.Node]] = {}
+    for n in ctx.graph.nodes:
+        if n in index:
+            k = key(n, ctx)
+            if k is not None:
+                members = out.get(k)
+                if members is None:
+                    out[k] = [n]
+                else:
+                    members.append(n)
+    return {k: ms for k, ms in out.items() if len(ms) >= rule.min_size}
 
 
 def run_rules(ctx: RewriteContext, rules: Sequence[Rule]) -> int:
@@ -90,12 +109,13 @@ def run_rules(ctx: RewriteContext, rules: Sequence[Rule]) -> int:
                 fused |= c
                 changed |= c or d
             if fused:
-                stable_toposort(graph)
+                stable_toposort(graph, ctx.cached(_is_ordered))
         if not changed:
             break
     else:
         ctx.report.notes.append(f"stopped after {MAX_PASSES} passes without reaching a fixed point")
-    graph.eliminate_dead_code(is_impure_node=_keep)
+    # Nodes dead-code elimination must keep although nothing reads their result.
+    graph.eliminate_dead_code(is_impure_node=ctx.cached(has_side_effects))
     # No lint/recompile here: the caller (optimize_graph) does both once; each costs ~0.1 s
     # per 1,000 nodes, a large part of the whole pass on big graphs.
     ctx.report.passes = max(ctx.report.passes, passes)
@@ -105,10 +125,3 @@ def run_rules(ctx: RewriteContext, rules: Sequence[Rule]) -> int:
         (time.perf_counter() - t0) * 1e3,
     )
     return passes
-
-
-def _keep(node: fx.Node) -> bool:
-    """Nodes dead-code elimination must keep although nothing reads their result."""
-    from fxrec.graph.effects import has_side_effects
-
-    return has_side_effects(node)

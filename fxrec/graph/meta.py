@@ -20,7 +20,15 @@ from torch.fx.node import map_aggregate
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TensorInfo", "info", "set_info", "annotate", "infer"]
+__all__ = [
+    "TensorInfo",
+    "info",
+    "set_info",
+    "annotate",
+    "infer",
+    "stamp_program_order",
+    "program_order",
+]
 
 _KEY = "fxrec_info"
 
@@ -267,7 +275,9 @@ def _join_info(args: tuple, stack: bool) -> TensorInfo | None:
     if any(i.ndim != nd or i.shape[:d] + i.shape[d + 1 :] != rest for i in infos):  # type: ignore[union-attr]
         return None
     total = sum(i.shape[d] for i in infos)  # type: ignore[union-attr]
-    return TensorInfo((*first.shape[:d], total, *first.shape[d + 1 :]), first.dtype, first.device, rg)
+    return TensorInfo(
+        (*first.shape[:d], total, *first.shape[d + 1 :]), first.dtype, first.device, rg
+    )
 
 
 def _resolve_attr(gm: fx.GraphModule, target: str) -> Any:
@@ -275,3 +285,23 @@ def _resolve_attr(gm: fx.GraphModule, target: str) -> Any:
     for part in target.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+_SEQ = "fxrec_seq"
+
+
+def stamp_program_order(graph: fx.Graph) -> None:
+    """Remember each node's position in the captured program.
+
+    Rewrites move nodes (a fused node goes before its last member, a toposort follows), so
+    the graph's order stops being the order the model was written in. Rules that are free to
+    choose the order of stacked members use this one: the model's own consumers (a ``cat``
+    of every feature, in feature order) then read the fused result's pieces in order.
+    """
+    for i, n in enumerate(graph.nodes):
+        n.meta.setdefault(_SEQ, i)
+
+
+def program_order(node: fx.Node) -> int:
+    """The node's position in the captured program (nodes made by rules sort last)."""
+    return node.meta.get(_SEQ, 1 << 62)

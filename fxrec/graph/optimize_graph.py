@@ -15,6 +15,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import torch.fx as fx
 
+from fxrec.graph import meta
 from fxrec.graph.driver import run_rules
 from fxrec.graph.params import FusedParameters, ParamStore
 from fxrec.graph.report import Report
@@ -108,6 +109,7 @@ def _optimize_in_place(
     backup.output(out_map)
     params = ParamStore(gm, owner)
     ctx = RewriteContext(gm, report, params, device_type)
+    meta.stamp_program_order(gm.graph)
     try:
         run_rules(ctx, rules)
         params.rebind()

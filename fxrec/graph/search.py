@@ -121,38 +121,16 @@ def _is_ordered(node: fx.Node) -> bool:
     return node.op in ("placeholder", "output") or node.is_impure()
 
 
-def stable_toposort(graph: fx.Graph) -> None:
+def stable_toposort(graph: fx.Graph, is_ordered: Callable[[fx.Node], bool] = _is_ordered) -> None:
     """Reorder nodes topologically, keeping the existing order wherever it is already valid.
 
     Rewrites insert a fused node at the position of its last member; users of earlier
     members may then precede it. Kahn's algorithm with the old position as priority moves
-    just those users (and what depends on them) down. Side-effecting nodes keep their
-    relative order.
+    just those users (and what depends on them) down. Side-effecting nodes (``is_ordered``;
+    pass a cached version to save its cost on repeated sorts) keep their relative order.
     """
     nodes = list(graph.nodes)
-    pos = {n: i for i, n in enumerate(nodes)}
-    deps: dict[fx.Node, set[fx.Node]] = {n: set(n.all_input_nodes) for n in nodes}
-    last_ordered: fx.Node | None = None
-    for n in nodes:
-        if _is_ordered(n):
-            if last_ordered is not None:
-                deps[n].add(last_ordered)
-            last_ordered = n
-    indeg = {n: len(d) for n, d in deps.items()}
-    users: dict[fx.Node, list[fx.Node]] = defaultdict(list)
-    for n, d in deps.items():
-        for m in d:
-            users[m].append(n)
-    heap = [(pos[n], n.name, n) for n in nodes if indeg[n] == 0]
-    heapq.heapify(heap)
-    order: list[fx.Node] = []
-    while heap:
-        _, _, n = heapq.heappop(heap)
-        order.append(n)
-        for u in users[n]:
-            indeg[u] -= 1
-            if indeg[u] == 0:
-                heapq.heappush(heap, (pos[u], u.name, u))
+    order = _stable_order(nodes, is_ordered)
     if len(order) != len(nodes):
         raise RuntimeError("fxrec: graph has a cycle after a rewrite (this is a bug in a rule)")
     if order == nodes:
@@ -164,3 +142,53 @@ def stable_toposort(graph: fx.Graph) -> None:
         if cursor.next is not n:
             cursor.append(n)
         cursor = n
+
+
+def _stable_order(nodes: list[fx.Node], is_ordered: Callable[[fx.Node], bool]) -> list[fx.Node]:
+    """Kahn's order with the old position as priority, in one scan of ``nodes``.
+
+    A node whose inputs are all placed when the scan reaches it is the lowest-position ready
+    node, except for nodes released earlier (which all sit before it): those come first, from
+    a heap. So only the nodes that must move pass through the heap, and the cost is linear in
+    the graph plus a logarithmic term per moved node. A node missing inputs waits for the
+    last of them; nodes on a cycle are never placed.
+
+    A side-effecting node also waits for the previous one, but only while that one waits
+    itself: ``is_ordered`` is asked only about nodes that wait or that the scan reaches while
+    a side-effecting node waits (for the rest, the old order already is the answer).
+    """
+    pos = {n: i for i, n in enumerate(nodes)}
+    placed: set[fx.Node] = set()
+    order: list[fx.Node] = []
+    missing: dict[fx.Node, int] = {}
+    waiting: dict[fx.Node, list[fx.Node]] = defaultdict(list)
+    released: list[tuple[int, fx.Node]] = []
+
+    def place(n: fx.Node) -> None:
+        order.append(n)
+        placed.add(n)
+        for w in waiting.pop(n, ()):
+            missing[w] -= 1
+            if missing[w] == 0:
+                heapq.heappush(released, (pos[w], w))
+
+    pending: fx.Node | None = None  # the last side-effecting node seen, while it waits
+    for n in nodes:
+        while released:
+            place(heapq.heappop(released)[1])
+        if pending is not None and pending in placed:
+            pending = None
+        deps = [d for d in n.all_input_nodes if d not in placed]
+        if (deps or pending is not None) and is_ordered(n):
+            if pending is not None and pending not in deps:
+                deps.append(pending)
+            pending = n
+        if deps:
+            missing[n] = len(deps)
+            for d in deps:
+                waiting[d].append(n)
+        else:
+            place(n)
+    while released:
+        place(heapq.heappop(released)[1])
+    return order

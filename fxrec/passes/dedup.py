@@ -84,6 +84,11 @@ def cse_key(node: fx.Node) -> Any:
         return None
     if has_side_effects(node):
         return None
+    return _computation_key(node)
+
+
+def _computation_key(node: fx.Node) -> Any:
+    """:func:`cse_key` without the purity test (callers test purity where it matters)."""
     if node.op == "call_function" and node.target in _UNMERGEABLE:
         return None
     if node.op == "call_method" and node.target in _UNMERGEABLE_METHODS:
@@ -138,30 +143,47 @@ class Dedup(LocalRule):
     def __init__(self) -> None:
         self._graph: fx.Graph | None = None
         self._seen: dict[Any, fx.Node] = {}
-        self._tainted: set[fx.Node] = set()
+        self._tainted: set[fx.Node] | None = None
 
     def _start(self, ctx: RewriteContext) -> None:
         """Called on the first node of each sweep: fresh table, fresh view of mutations."""
         self._graph = ctx.graph
         self._seen = {}
-        # Cached for the whole run: each pass sweeps every node, and most are unchanged.
-        self._tainted = _reading_written_memory(
-            ctx.graph, ctx.cached(mutates_input), ctx.cached(has_side_effects)
-        )
+        self._tainted = None  # see _reads_written
+
+    def _reads_written(self, node: fx.Node, ctx: RewriteContext) -> bool:
+        """``node in _reading_written_memory(graph)`` as of the start of the sweep.
+
+        Computed when first needed, which is before the sweep's first rewrite (a rewrite
+        needs this answer), so the graph is still the one the sweep started with.
+        """
+        if self._tainted is None:
+            self._tainted = _reading_written_memory(
+                ctx.graph, ctx.cached(mutates_input), ctx.cached(has_side_effects)
+            )
+        return node in self._tainted
 
     def match(self, node: fx.Node, ctx: RewriteContext) -> Any:
-        if self._graph is not ctx.graph or node is next(iter(ctx.graph.nodes)):
+        # ``node.prev`` is the graph's root sentinel exactly for its first (live) node.
+        first = node.prev.op == "root" and not _erased(node)
+        if self._graph is not ctx.graph or first:
             self._start(ctx)
-        key = ctx.cached(cse_key)(node)
+        if node.op not in _REMOVABLE_OPS or _erased(node):
+            return None
+        key = ctx.cached(_computation_key)(node)
         if key is None:
             return None
+        # Purity (cse_key's other half) is tested only when two nodes share a key, not for
+        # every node. The table may then hold an impure node: it counts as no twin, as if it
+        # had never been entered, and the next node with its key takes its place.
+        impure = ctx.cached(has_side_effects)
         twin = self._seen.get(key)
-        if _erased(node):
-            return None
-        if twin is None or _erased(twin) or twin is node:
+        if twin is None or twin is node or _erased(twin) or impure(twin):
             self._seen[key] = node
             return None
-        if node in self._tainted or twin in self._tainted:
+        if impure(node):
+            return None
+        if self._reads_written(node, ctx) or self._reads_written(twin, ctx):
             return None  # an in-place op may change what one of the two reads
         return twin
 
@@ -182,7 +204,7 @@ class DeadCode(LocalRule):
     def match(self, node: fx.Node, ctx: RewriteContext) -> Any:
         if node.users or node.op not in _REMOVABLE_OPS or _erased(node):
             return None
-        return not has_side_effects(node)
+        return not ctx.cached(has_side_effects)(node)
 
     def rewrite(self, node: fx.Node, match: Any, ctx: RewriteContext) -> None:
         removed = 0

@@ -49,8 +49,8 @@ from torch import nn
 from fxrec.graph import meta
 from fxrec.graph.effects import written_in_place
 from fxrec.graph.pieces import piece_of
+from fxrec.graph.refs import gather_cost_reason, param_info, param_node
 from fxrec.graph.rule import HorizontalRule, RewriteContext, register
-from fxrec.passes.linear import gather_cost_reason, param_info, param_node
 
 logger = logging.getLogger(__name__)
 

@@ -48,6 +48,7 @@ from fxrec.graph.cost import cache_reason
 from fxrec.graph.effects import written_in_place
 from fxrec.graph.horizontal import Gathered, scatter
 from fxrec.graph.pieces import piece_of
+from fxrec.graph.refs import Ref, combined, gather_cost_reason, param_info
 from fxrec.graph.rule import HorizontalRule, RewriteContext, register
 
 logger = logging.getLogger(__name__)
@@ -55,100 +56,11 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "LinearCall",
     "linear_call",
-    "param_info",
-    "param_node",
-    "param_tensor",
-    "laid_out_or_can_be",
-    "gather_cost_reason",
     "FuseLinearSameInput",
     "FuseLinearBatched",
 ]
 
 LINEAR_FUNCTIONS = {F.linear, torch._C._nn.linear}
-
-# A parameter reference: an existing node, or the qualified name of a module attribute
-# (call_module members) that becomes a ``get_attr`` node only if the set is fused.
-Ref = Any
-
-
-# -- parameter references (shared with the embedding family) ----------------------------------
-def param_tensor(ctx: RewriteContext, ref: Ref) -> torch.Tensor | None:
-    """The model tensor a reference names (a module attribute or a ``get_attr``), else None."""
-    if isinstance(ref, str):
-        obj: Any = ctx.gm
-        for part in ref.split("."):
-            obj = getattr(obj, part, None)
-        return obj if isinstance(obj, torch.Tensor) else None
-    if isinstance(ref, fx.Node):
-        t = ctx.attr(ref)
-        return t if isinstance(t, torch.Tensor) else None
-    return None
-
-
-def param_info(ctx: RewriteContext, ref: Ref) -> meta.TensorInfo | None:
-    t = param_tensor(ctx, ref)
-    if t is not None:
-        return meta.TensorInfo.of(t)
-    return ctx.info(ref) if isinstance(ref, fx.Node) else None
-
-
-def param_node(ctx: RewriteContext, ref: Ref) -> fx.Node:
-    """The node for a reference (a new ``get_attr`` for module attributes)."""
-    if isinstance(ref, fx.Node):
-        return ref
-    node = ctx.graph.get_attr(ref)
-    t = param_tensor(ctx, ref)
-    if t is not None:
-        meta.set_info(node, t)
-    return node
-
-
-def _ref_key(ref: Ref) -> Any:
-    return ref if isinstance(ref, str) else ("node", ref)
-
-
-def laid_out_or_can_be(ctx: RewriteContext, refs: Sequence[Ref], how: str) -> bool:
-    """True when ``ctx.params.combined(refs, how)`` reads one flat tensor (no per-step gather)."""
-    ts = [param_tensor(ctx, r) for r in refs]
-    if ctx.params.owner is None or any(t is None for t in ts):
-        return False
-    if ctx.params.owner.lookup(how, ts) is not None:  # type: ignore[arg-type]
-        return True
-    from types import SimpleNamespace
-
-    stand_ins = [
-        SimpleNamespace(op="get_attr", target=r) if isinstance(r, str) else r for r in refs
-    ]
-    return ctx.params.can_lay_out(stand_ins)  # type: ignore[arg-type]
-
-
-def gather_cost_reason(
-    ctx: RewriteContext, refs: Sequence[Sequence[Ref]], how: str, activation_elems: int
-) -> str | None:
-    """Cost model: refuse when parameters would be gathered in-graph every step and are large.
-
-    Laid out once, a fused layer reads its weights for free. Gathered in-graph (torch.cat /
-    torch.stack each step, and the matching split of the gradient), it copies every weight
-    twice per step; that pays only while the weights are small next to the activations the
-    layer touches anyway (one fused launch saves N-1 launches, a weight copy costs memory
-    bandwidth proportional to its size).
-    """
-    gathered = 0
-    for group in refs:
-        if not group or group[0] is None:
-            continue
-        if laid_out_or_can_be(ctx, group, how):
-            continue
-        for r in group:
-            ti = param_info(ctx, r)
-            gathered += ti.numel() if ti is not None else 0
-    if gathered > activation_elems:
-        return (
-            f"parameters would be gathered in-graph every step ({gathered} elements, more than "
-            f"the {activation_elems} activation elements; keep_params, graph inputs or a shared "
-            "parameter prevent laying them out once)"
-        )
-    return None
 
 
 # -- recognising the calls ---------------------------------------------------------------------
@@ -203,10 +115,6 @@ def _signature(ctx: RewriteContext, lc: LinearCall) -> tuple[Any, ...] | None:
     return in_f, out_f, lc.bias is not None, ti
 
 
-def _combined(ctx: RewriteContext, refs: Sequence[Ref], how: str) -> fx.Node:
-    return ctx.params.combined([param_node(ctx, r) for r in refs], how)
-
-
 # -- same input --------------------------------------------------------------------------------
 @register
 class FuseLinearSameInput(HorizontalRule):
@@ -243,8 +151,8 @@ class FuseLinearSameInput(HorizontalRule):
 
     def fuse(self, group: Sequence[fx.Node], ctx: RewriteContext) -> None:
         lcs: list[LinearCall] = [linear_call(n, ctx) for n in group]  # type: ignore[misc]
-        w = _combined(ctx, [lc.weight for lc in lcs], "cat")
-        b = _combined(ctx, [lc.bias for lc in lcs], "cat") if lcs[0].bias is not None else None
+        w = combined(ctx, [lc.weight for lc in lcs], "cat")
+        b = combined(ctx, [lc.bias for lc in lcs], "cat") if lcs[0].bias is not None else None
         y = ctx.call(F.linear, (lcs[0].input, w, b))
         yi = ctx.info(y)
         assert yi is not None
@@ -369,10 +277,10 @@ class FuseLinearBatched(HorizontalRule):
         group = [group[i] for i in batch.order]
         lcs = [lcs[i] for i in batch.order]
         n = len(group)
-        w = _combined(ctx, [lc.weight for lc in lcs], "stack")  # (N, out, in)
+        w = combined(ctx, [lc.weight for lc in lcs], "stack")  # (N, out, in)
         wt = ctx.call_method("transpose", (w, 1, 2))  # (N, in, out), a view
         if lcs[0].bias is not None:
-            b = _combined(ctx, [lc.bias for lc in lcs], "stack")  # (N, out)
+            b = combined(ctx, [lc.bias for lc in lcs], "stack")  # (N, out)
             b3 = ctx.call_method("unsqueeze", (b, 1))  # (N, 1, out)
             y = ctx.call(torch.baddbmm, (b3, batch.node, wt))
         else:

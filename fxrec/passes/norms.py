@@ -34,7 +34,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -46,6 +45,7 @@ from fxrec.graph import meta
 from fxrec.graph.cost import cache_reason
 from fxrec.graph.horizontal import Gathered, gather, scatter
 from fxrec.graph.pieces import piece_of
+from fxrec.graph.refs import Ref, can_lay_out, combined, laid_out, param_info, param_node, ref_key
 from fxrec.graph.rule import HorizontalRule, RewriteContext, register
 
 logger = logging.getLogger(__name__)
@@ -64,9 +64,6 @@ LAYER_NORM_FUNCTIONS = {F.layer_norm, torch.layer_norm}
 BATCH_NORM_FUNCTIONS = {F.batch_norm}
 BATCH_NORM_MODULES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 
-# A parameter reference: an existing node, or the qualified name of a module attribute
-# (call_module members) that becomes a ``get_attr`` node only if the set is fused.
-Ref = Any
 
 # Below this many elements a GPU launch costs more than group_norm's slower reduction.
 GROUP_NORM_MAX_NUMEL_CUDA = 1 << 22
@@ -177,55 +174,6 @@ def batch_norm_call(node: fx.Node, ctx: RewriteContext) -> BatchNormCall | None:
     if any(r is not None and not isinstance(r, fx.Node) for r in refs):
         return None
     return BatchNormCall(x, *refs, training, float(momentum), float(eps), None)
-
-
-# -- parameter references ----------------------------------------------------------------------
-def _ref_key(ref: Ref) -> Any:
-    return ref if isinstance(ref, str) else ("node", ref)
-
-
-def _ref_tensor(ctx: RewriteContext, ref: Ref) -> torch.Tensor | None:
-    if isinstance(ref, str):
-        obj: Any = ctx.gm
-        for part in ref.split("."):
-            obj = getattr(obj, part, None)
-        return obj if isinstance(obj, torch.Tensor) else None
-    if isinstance(ref, fx.Node):
-        t = ctx.attr(ref)
-        return t if isinstance(t, torch.Tensor) else None
-    return None
-
-
-def _ref_info(ctx: RewriteContext, ref: Ref) -> Any:
-    if ref is None:
-        return None
-    t = _ref_tensor(ctx, ref)
-    if t is not None:
-        return (t.dtype, t.device, tuple(t.shape))
-    ti = ctx.info(ref) if isinstance(ref, fx.Node) else None
-    return None if ti is None else (ti.dtype, ti.device, ti.shape)
-
-
-def _can_lay_out(ctx: RewriteContext, refs: Sequence[Ref]) -> bool:
-    stand_ins = [
-        SimpleNamespace(op="get_attr", target=r) if isinstance(r, str) else r for r in refs
-    ]
-    return ctx.params.can_lay_out(stand_ins)  # type: ignore[arg-type]
-
-
-def _node(ctx: RewriteContext, ref: Ref) -> fx.Node:
-    """The node for a reference (a new ``get_attr`` for module attributes)."""
-    if isinstance(ref, fx.Node):
-        return ref
-    node = ctx.graph.get_attr(ref)
-    t = _ref_tensor(ctx, ref)
-    if t is not None:
-        meta.set_info(node, t)
-    return node
-
-
-def _combined(ctx: RewriteContext, refs: Sequence[Ref], how: str) -> fx.Node:
-    return ctx.params.combined([_node(ctx, r) for r in refs], how)
 
 
 # -- LayerNorm ---------------------------------------------------------------------------------
@@ -346,8 +294,8 @@ class FuseParallelLayerNorm(HorizontalRule):
                 numel = bi.numel()
                 lowering = choose_lowering(ctx.device_type, numel, n)
             if lowering == "group_norm":
-                w = _combined(ctx, ws, "cat") if ws[0] is not None else None
-                b = _combined(ctx, bs, "cat") if bs[0] is not None else None
+                w = combined(ctx, ws, "cat") if ws[0] is not None else None
+                b = combined(ctx, bs, "cat") if bs[0] is not None else None
                 out = ctx.call(F.group_norm, (view, n, w, b, eps))
                 fused_flat = out
             else:
@@ -366,7 +314,10 @@ class FuseParallelLayerNorm(HorizontalRule):
             y = self._normalise(ctx, x, lay.dim, ns, eps, ws, bs)
             g = Gathered(y, lay.dim, lay.sizes, True, False)
             detail = f"layer_norm over {n} unbind pieces"
-        else:
+        else:  # separate tensors, stacked in the order the model was written in
+            order = sorted(range(n), key=lambda i: meta.program_order(group[i]))
+            group, lns = [group[i] for i in order], [lns[i] for i in order]
+            ws, bs = [ln.weight for ln in lns], [ln.bias for ln in lns]
             ti = ctx.info(lns[0].input)
             assert ti is not None
             d = ti.ndim - k
@@ -399,9 +350,9 @@ class FuseParallelLayerNorm(HorizontalRule):
         def laid_out(refs: list[Ref]) -> fx.Node | None:
             if refs[0] is None:
                 return None
-            if not _distinct(refs) and len({_ref_key(r) for r in refs}) == 1:
-                return _node(ctx, refs[0])  # one shared parameter broadcasts as is
-            flat = _combined(ctx, refs, "stack")
+            if not _distinct(refs) and len({ref_key(r) for r in refs}) == 1:
+                return param_node(ctx, refs[0])  # one shared parameter broadcasts as is
+            flat = combined(ctx, refs, "stack")
             if ones:
                 flat = ctx.call_method("view", (flat, n, *([1] * ones), *ns))
             return flat
@@ -417,7 +368,7 @@ class FuseParallelLayerNorm(HorizontalRule):
 
 
 def _distinct(refs: Sequence[Ref]) -> bool:
-    keys = [_ref_key(r) for r in refs if r is not None]
+    keys = [ref_key(r) for r in refs if r is not None]
     return len(set(keys)) == len(keys)
 
 
@@ -455,7 +406,7 @@ class FuseParallelBatchNorm(HorizontalRule):
             if not _distinct(refs):
                 return f"members share {field}: one fused update cannot repeat the sequential ones"
             stats = field in ("running_mean", "running_var") and bns[0].training
-            if stats and not (_can_lay_out(ctx, refs) or _laid_out(ctx, refs, "cat")):
+            if stats and not (can_lay_out(ctx, refs) or laid_out(ctx, refs, "cat")):
                 return (
                     f"{field} cannot be laid out once (keep_params, graph inputs or already "
                     "fused): the fused update would not reach the members' buffers"
@@ -479,7 +430,7 @@ class FuseParallelBatchNorm(HorizontalRule):
 
         def cat(field: str) -> fx.Node | None:
             refs = [getattr(b, field) for b in bns]
-            return None if refs[0] is None else _combined(ctx, refs, "cat")
+            return None if refs[0] is None else combined(ctx, refs, "cat")
 
         rm, rv, w, b = cat("running_mean"), cat("running_var"), cat("weight"), cat("bias")
         out = ctx.call(
@@ -487,21 +438,18 @@ class FuseParallelBatchNorm(HorizontalRule):
         )
         if first.counter is not None:
             counters = [b.counter for b in bns]
-            if _can_lay_out(ctx, counters) or _laid_out(ctx, counters, "stack"):
-                ctx.call_method("add_", (_combined(ctx, counters, "stack"), 1))
+            if can_lay_out(ctx, counters) or laid_out(ctx, counters, "stack"):
+                ctx.call_method("add_", (combined(ctx, counters, "stack"), 1))
             else:
                 for c in counters:
-                    ctx.call_method("add_", (_node(ctx, c), 1))
+                    ctx.call_method("add_", (param_node(ctx, c), 1))
         for member, piece in zip(group, scatter(ctx, out, g)):
             ctx.replace(member, piece)
         ctx.erase_if_dead(group)
         self.fired(ctx, group, f"batch_norm x{len(group)}" + (" (cat)" if g.copied else ""))
 
 
-def _laid_out(ctx: RewriteContext, refs: Sequence[Ref], how: str) -> bool:
-    """True when these exact tensors already share one flat tensor (another graph fused them)."""
-    owner = ctx.params.owner
-    ts = [_ref_tensor(ctx, r) for r in refs]
-    if owner is None or any(t is None for t in ts):
-        return False
-    return owner.lookup(how, ts) is not None  # type: ignore[arg-type]
+def _ref_info(ctx: RewriteContext, ref: Ref) -> Any:
+    """(dtype, device, shape) of a referenced parameter, for bucket keys; None if unknown."""
+    ti = param_info(ctx, ref)
+    return None if ti is None else (ti.dtype, ti.device, ti.shape)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fxrec.graph.cost import cache_reason
-from fxrec.graph.effects import mutates_input
+from fxrec.graph.effects import mutates_input, written_in_place
 from fxrec.graph.horizontal import Gathered, gather, scatter
 from fxrec.graph.rule import HorizontalRule, RewriteContext, register
 
@@ -189,6 +189,8 @@ class FuseParallelUnary(HorizontalRule):
             return slower
         if mutates_input(group[0]):
             return "in-place op: fusing would lose the write to each input"
+        if any(written_in_place(n) for n in group):
+            return "a member's result is written in place: it must stay its own tensor"
         op = unary_op(group[0], ctx)
         assert op is not None
         if (
@@ -306,6 +308,8 @@ class FuseParallelBinary(HorizontalRule):
         slower = cache_reason(group, ctx.device_type)
         if slower is not None:
             return slower
+        if any(written_in_place(n) for n in group):
+            return "a member's result is written in place: it must stay its own tensor"
         from fxrec.graph.pieces import contiguous_range
 
         ops = [binary_op(n) for n in group]

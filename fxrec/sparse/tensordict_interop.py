@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
+from itertools import pairwise
 from typing import Any
 
 import torch
@@ -181,11 +182,10 @@ def prepare_kjt(td: TensorDictBase, keys: Sequence[str] | None = None) -> KeyedJ
     keys = list(td.keys()) if keys is None else list(keys)
     entries = _entries(td, keys) if keys else []
     kjt = _convert(td, keys, entries)
-    cache = td.__dict__.get(_PREPARED)
-    if cache is None:
-        cache = {}
-        td.__dict__[_PREPARED] = cache
-    cache[tuple(keys)] = (_snapshot(entries), kjt)
+    attrs = getattr(td, "__dict__", None)
+    if attrs is None:  # a TensorDict type without instance attributes: nothing to keep it in
+        return kjt
+    attrs.setdefault(_PREPARED, {})[tuple(keys)] = (_snapshot(entries), kjt)
     return kjt
 
 
@@ -382,18 +382,16 @@ def _lengths_from_offsets(
         first = [p[0] for p in pairs]
         last = [p[1] for p in pairs]
     else:
+        # One diff over all keys; each key's rows are its slice without the junction entry
+        # (slicing and one cat beat boolean-mask indexing, which counts the mask first).
         bounds = cumsum_list([s + 1 for s in spk])
-        starts = torch.tensor(bounds[:-1], dtype=torch.long, device=offsets.device)
-        stops = torch.tensor([b - 1 for b in bounds[1:]], dtype=torch.long, device=offsets.device)
+        diffs = offsets[1:] - offsets[:-1]
+        lengths = torch.cat([diffs[b : e - 1] for b, e in pairwise(bounds)])
+        ends = bounds[:-1] + [b - 1 for b in bounds[1:]]
         edges = V.read_ints(
-            torch.cat([offsets.index_select(0, starts), offsets.index_select(0, stops)])
+            offsets.index_select(0, torch.tensor(ends, dtype=torch.long, device=offsets.device))
         )
         first, last = edges[:k], edges[k:]
-        keep_hi = torch.ones(offsets.numel(), dtype=torch.bool, device=offsets.device)
-        keep_lo = keep_hi.clone()
-        keep_hi[starts] = False
-        keep_lo[stops] = False
-        lengths = offsets[keep_hi] - offsets[keep_lo]
     if any(first) or last != [v.shape[0] for v in vals]:
         return _concat_slow(keys, njts, spk, ids)  # holes or shifted offsets: compact
     if validate and lengths.numel() and int(lengths.min()) < 0:
@@ -429,8 +427,7 @@ def _joined(parts: list[torch.Tensor]) -> torch.Tensor | None:
         return None
     d0 = p0.dtype
     if not all(
-        p.dtype is d0 and p.dim() == 1 and p.is_contiguous() and not p.requires_grad
-        for p in parts
+        p.dtype is d0 and p.dim() == 1 and p.is_contiguous() and not p.requires_grad for p in parts
     ):
         return None
     try:  # bounds-checked against p0's storage: the range is inside one live allocation

@@ -131,3 +131,15 @@ def test_broadcasting_and_mixed_dtypes_are_not_fused() -> None:
 )
 def test_property_binary_fusion_keeps_outputs_and_gradients(n, d, op, batch) -> None:  # type: ignore[no-untyped-def]
     check_equivalent(lambda: Pairwise(op, n, d), _xy(n, d), rules=RULES, batches=(batch, batch + 2))
+
+
+def test_results_written_in_place_are_not_fused() -> None:
+    class Inplace(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            hs = [p * 2 for p in torch.split(x, 2, 1)]
+            hs[0].relu_()
+            return torch.cat(hs, 1)
+
+    opt = check_equivalent(Inplace, lambda b: (torch.randn(b, 6),), rules=RULES)
+    assert fired(opt, "parallel_binary") == 0
+    assert any("written in place" in r for r in refusals(opt, "parallel_binary"))

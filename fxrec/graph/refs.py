@@ -1,0 +1,132 @@
+"""References to a member's parameters, shared by every rule that fuses layers.
+
+A rule sees a parameter either as a node (``get_attr``, or a graph input when dynamo inlined
+the module) or, for ``call_module`` members, as the qualified name of a module attribute
+that becomes a ``get_attr`` node only if the set is fused. These helpers read through both,
+and lay a set of them out once (:class:`fxrec.graph.params.ParamStore`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from fxrec.graph import meta
+from fxrec.graph.rule import RewriteContext
+
+__all__ = [
+    "Ref",
+    "ref_key",
+    "param_tensor",
+    "param_info",
+    "param_node",
+    "combined",
+    "can_lay_out",
+    "laid_out",
+    "laid_out_or_can_be",
+    "gather_cost_reason",
+]
+
+# A parameter reference: an existing node, or the qualified name of a module attribute.
+Ref = Any
+
+
+def ref_key(ref: Ref) -> Any:
+    """A hashable identity: two references with the same key name the same tensor."""
+    return ref if isinstance(ref, str) else ("node", ref)
+
+
+def param_tensor(ctx: RewriteContext, ref: Ref) -> torch.Tensor | None:
+    """The model tensor a reference names (a module attribute or a ``get_attr``), else None."""
+    if isinstance(ref, str):
+        obj: Any = ctx.gm
+        for part in ref.split("."):
+            obj = getattr(obj, part, None)
+        return obj if isinstance(obj, torch.Tensor) else None
+    if isinstance(ref, fx.Node):
+        t = ctx.attr(ref)
+        return t if isinstance(t, torch.Tensor) else None
+    return None
+
+
+def param_info(ctx: RewriteContext, ref: Ref) -> meta.TensorInfo | None:
+    """Shape, dtype and device of the referenced tensor (from metadata for graph inputs)."""
+    if ref is None:
+        return None
+    t = param_tensor(ctx, ref)
+    if t is not None:
+        return meta.TensorInfo.of(t)
+    return ctx.info(ref) if isinstance(ref, fx.Node) else None
+
+
+def param_node(ctx: RewriteContext, ref: Ref) -> fx.Node:
+    """The node for a reference (a new ``get_attr`` for module attributes)."""
+    if isinstance(ref, fx.Node):
+        return ref
+    node = ctx.graph.get_attr(ref)
+    t = param_tensor(ctx, ref)
+    if t is not None:
+        meta.set_info(node, t)
+    return node
+
+
+def combined(ctx: RewriteContext, refs: Sequence[Ref], how: str) -> fx.Node:
+    """One node holding ``refs`` laid out together (``how``: "cat" or "stack")."""
+    return ctx.params.combined([param_node(ctx, r) for r in refs], how)
+
+
+def can_lay_out(ctx: RewriteContext, refs: Sequence[Ref]) -> bool:
+    """Could ``refs`` become views of one new flat tensor (no per-step gather)?"""
+    stand_ins = [
+        SimpleNamespace(op="get_attr", target=r) if isinstance(r, str) else r for r in refs
+    ]
+    return ctx.params.can_lay_out(stand_ins)  # type: ignore[arg-type]
+
+
+def laid_out(ctx: RewriteContext, refs: Sequence[Ref], how: str) -> bool:
+    """Are ``refs`` already views of one flat tensor laid out ``how``?"""
+    ts = [param_tensor(ctx, r) for r in refs]
+    if ctx.params.owner is None or any(t is None for t in ts):
+        return False
+    return ctx.params.owner.lookup(how, ts) is not None  # type: ignore[arg-type]
+
+
+def laid_out_or_can_be(ctx: RewriteContext, refs: Sequence[Ref], how: str) -> bool:
+    """True when ``combined(ctx, refs, how)`` reads one flat tensor (no per-step gather)."""
+    ts = [param_tensor(ctx, r) for r in refs]
+    if ctx.params.owner is None or any(t is None for t in ts):
+        return False
+    return laid_out(ctx, refs, how) or can_lay_out(ctx, refs)
+
+
+def gather_cost_reason(
+    ctx: RewriteContext, refs: Sequence[Sequence[Ref]], how: str, activation_elems: int
+) -> str | None:
+    """Cost model: refuse when parameters would be gathered in-graph every step and are large.
+
+    Laid out once, a fused layer reads its weights for free. Gathered in-graph (torch.cat /
+    torch.stack each step, and the matching split of the gradient), it copies every weight
+    twice per step; that pays only while the weights are small next to the activations the
+    layer touches anyway (one fused launch saves N-1 launches, a weight copy costs memory
+    bandwidth proportional to its size).
+    """
+    gathered = 0
+    for group in refs:
+        if not group or group[0] is None:
+            continue
+        if laid_out_or_can_be(ctx, group, how):
+            continue
+        for r in group:
+            ti = param_info(ctx, r)
+            gathered += ti.numel() if ti is not None else 0
+    if gathered > activation_elems:
+        return (
+            f"parameters would be gathered in-graph every step ({gathered} elements, more than "
+            f"the {activation_elems} activation elements; keep_params, graph inputs or a shared "
+            "parameter prevent laying them out once)"
+        )
+    return None
