@@ -14,7 +14,9 @@ What this guarantees:
   a static one, so rules skip such candidates instead of baking a size in.
 * Parameters arrive as graph inputs (placeholders) when dynamo inlines modules: fused
   weights are then gathered in the graph. ``fxrec.optimize`` passes ``model`` and ``owner``
-  so they become ``get_attr`` nodes laid out once instead.
+  so they become ``get_attr`` nodes laid out once instead; the inner backend is then handed
+  a module holding only the tensors its graph reads (the flat parameters and unfused
+  originals), since AOTAutograd lifts every parameter of that module as an input.
 * Nodes a rule creates get dynamo's ``example_value`` (fake tensors in dynamo's own fake
   mode), so inner backends that read it (Inductor's pre-grad passes) see a normal graph.
 """
@@ -30,19 +32,20 @@ import torch.fx as fx
 from torch import nn
 from torch.fx.node import map_aggregate
 
-from fxrec.graph.capture import lift_params_to_attrs
+from fxrec.graph.capture import lift_params_to_attrs, prune_attrs
 from fxrec.graph.optimize_graph import RuleSpec, optimize_graph, resolve_rules
 from fxrec.graph.params import FusedParameters
 from fxrec.graph.report import Report
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Backend", "compile_backend", "fill_example_values"]
+__all__ = ["Backend", "compile_backend", "fill_example_values", "inner_backend"]
 
 Backend = Callable[[fx.GraphModule, list[Any]], Callable[..., Any]]
 
 
-def _inner_backend(inner: str | Backend) -> Backend:
+def inner_backend(inner: str | Backend) -> Backend:
+    """The backend callable ``inner`` names; a clear ``ValueError`` for an unknown name."""
     if callable(inner):
         return inner
     if not isinstance(inner, str):
@@ -130,7 +133,7 @@ def compile_backend(
     nodes and are laid out once. The backend's ``report`` attribute accumulates what each
     graph got (one graph per graph break, per recompile).
     """
-    inner_fn = _inner_backend(inner)
+    inner_fn = inner_backend(inner)
     rule_list = resolve_rules(rules)
     rep = report if report is not None else Report(capture="dynamo")
 
@@ -144,7 +147,7 @@ def compile_backend(
         if keep is None:
             return inner_fn(gm, list(example_inputs))
         kept_inputs = [example_inputs[i] for i in keep]
-        compiled = inner_fn(gm, kept_inputs)
+        compiled = inner_fn(prune_attrs(gm), kept_inputs)
         return lambda *args: compiled(*[args[i] for i in keep])
 
     backend.report = rep  # type: ignore[attr-defined]

@@ -24,7 +24,14 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CaptureError", "FxrecTracer", "capture_symbolic", "lift_params_to_attrs", "param_names"]
+__all__ = [
+    "CaptureError",
+    "FxrecTracer",
+    "capture_symbolic",
+    "lift_params_to_attrs",
+    "param_names",
+    "prune_attrs",
+]
 
 
 class CaptureError(RuntimeError):
@@ -95,7 +102,25 @@ def lift_params_to_attrs(
     for node in graph.nodes:
         if node.op in ("get_attr", "call_module") and node.target not in root:
             root[node.target] = _resolve(gm, node.target)
-    return fx.GraphModule(root, graph, type(model).__name__), keep
+    out = fx.GraphModule(root, graph, type(model).__name__)
+    out.meta.update(gm.meta)  # Inductor reads dynamo's entries (parameter names, compile id)
+    return out, keep
+
+
+def prune_attrs(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` holding only the attributes its graph reads, tensors as buffers.
+
+    After the rules ran, ``gm`` still holds the member parameters whose storage moved into a
+    flat parameter. AOTAutograd lifts every parameter and buffer of the module it is given
+    as an input, and cannot fakeify those views again (dynamo fakeified them before they
+    moved); it must see only the leaves the graph reads. Tensors that are not parameters are
+    registered as buffers, so in-place updates (running statistics) are written back.
+    """
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    out = fx.GraphModule(gm, graph, type(gm).__name__)
+    out.meta.update(gm.meta)
+    return out
 
 
 def _resolve(obj: Any, target: str) -> Any:

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Collection, Hashable, Iterable, Sequence
+from typing import Any
 
 import torch.fx as fx
 
@@ -27,9 +28,30 @@ __all__ = ["run_rules"]
 MAX_PASSES = 32
 
 
+def _candidates(rule: Rule, nodes: Iterable[fx.Node]) -> list[fx.Node]:
+    """The nodes ``rule`` can use at all (:attr:`Rule.candidates`), in graph order."""
+    spec = rule.candidates
+    if spec is None:
+        return list(nodes)
+    out = []
+    for n in nodes:
+        if n.op in spec:
+            targets = spec[n.op]
+            if targets is None or _has_target(targets, n.target):
+                out.append(n)
+    return out
+
+
+def _has_target(targets: Collection[Any], target: Any) -> bool:
+    try:
+        return target in targets
+    except TypeError:  # an unhashable target: let the rule itself look at it
+        return True
+
+
 def _run_local(rule: LocalRule, ctx: RewriteContext) -> bool:
     changed = False
-    for node in list(ctx.graph.nodes):
+    for node in _candidates(rule, ctx.graph.nodes):
         if node.graph is not ctx.graph:  # erased by an earlier rewrite in this loop
             continue
         m = rule.match(node, ctx)
@@ -59,7 +81,7 @@ def _run_horizontal(
                 rule.refuse(ctx, group, reason)
                 continue
             last = max(group, key=reach.index.__getitem__)
-            with ctx.graph.inserting_before(last):
+            with ctx.graph.inserting_before(last), ctx.batched_replacements():
                 rule.fuse(group, ctx)
             reach.merge(group)
             changed = True
@@ -75,7 +97,7 @@ def _buckets(
     """
     key, index = rule.key, reach.index
     out: dict[Hashable, list[fx.Node]] = {}
-    for n in ctx.graph.nodes:
+    for n in _candidates(rule, ctx.graph.nodes):
         if n in index:
             k = key(n, ctx)
             if k is not None:

@@ -193,15 +193,18 @@ def _static_info(x: Any) -> TensorInfo | None:
 
 
 def _requires_grad(infos: Sequence[TensorInfo]) -> bool:
-    """What autograd gives a differentiable op's result on inputs like :func:`_fake_arg`'s."""
-    return torch.is_grad_enabled() and any(
-        i.requires_grad and i.dtype.is_floating_point for i in infos
-    )
+    """What autograd (grad mode on) gives the result of a differentiable op on ``infos``."""
+    return any(i.requires_grad and i.dtype.is_floating_point for i in infos)
 
 
 def _glue_info(node: fx.Node) -> Any:
-    """Metadata of a ``torch.split/unbind/cat/stack`` node in a plain form, else None."""
+    """Metadata of a ``torch.split/unbind/cat/stack`` node in a plain form, else None.
+
+    Only in grad mode: without it, views and copies differ in ``requires_grad``.
+    """
     if node.op != "call_function" or node.kwargs or not node.args:
+        return None
+    if not torch.is_grad_enabled():
         return None
     if node.target is torch.split:
         return _split_info(node.args)

@@ -68,9 +68,14 @@ class OptimizedModule(nn.Module):
         *,
         keep_params: bool = False,
         check: bool = True,
+        backend: Any = "eager",
     ) -> None:
         super().__init__()
+        from fxrec.compile.backend import inner_backend
+
+        inner_backend(backend)  # an unknown name fails here, not at the first step
         self.model = model
+        self._backend = backend
         self.fxrec_fused = FusedParameters()
         self._rules = resolve_rules(rules)
         self._keep_params = keep_params
@@ -125,7 +130,7 @@ class OptimizedModule(nn.Module):
             from fxrec.compile.backend import compile_backend
 
             backend = compile_backend(
-                inner="eager",
+                inner=self._backend,
                 rules=self._rules,
                 model=self.model,
                 owner=self._owner(),
@@ -135,7 +140,7 @@ class OptimizedModule(nn.Module):
             self._compiled = torch.compile(self.model, backend=backend, dynamic=False)
         return self._compiled
 
-    def _optimize_traced(self, traced: fx.GraphModule, args: tuple) -> fx.GraphModule:
+    def _optimize_traced(self, traced: fx.GraphModule, args: tuple) -> Any:
         graph = fx.Graph()
         graph.output(graph.graph_copy(traced.graph, {}))
         gm = fx.GraphModule(traced, graph, traced.__class__.__name__)
@@ -155,6 +160,8 @@ class OptimizedModule(nn.Module):
             gm = fx.GraphModule(traced, _copy_graph(traced.graph), traced.__class__.__name__)
         self.fxrec_report.capture = self.fxrec_report.capture or report.capture
         self.fxrec_report.merge(report)
+        if self._backend != "eager":  # the optimized graph, compiled (parameters as inputs)
+            return torch.compile(gm, backend=self._backend, dynamic=False)
         return gm
 
     # -- state: the user's model owns it -------------------------------------------------------
@@ -237,11 +244,17 @@ def _run_annotating(gm: fx.GraphModule, args: tuple) -> Any:
         return _A(gm).run(*args)
 
 
-def _same_outputs(model: nn.Module, fn: Any, args: tuple, reference: Any) -> bool:
-    """Does ``fn(*args)`` give ``reference`` (same structure, dtypes, values within tolerance)?"""
+def _same_outputs(
+    model: nn.Module, fn: Any, args: tuple, reference: Any, grad: bool = False
+) -> bool:
+    """Does ``fn(*args)`` give ``reference`` (same structure, dtypes, values within tolerance)?
+
+    ``grad``: run ``fn`` with autograd on. A compiled ``fn`` compiles on this call for the
+    grad mode it runs in; checking in the mode training will use saves a second compile.
+    """
     from torch.utils._pytree import tree_flatten
 
-    with _preserved_state(model), torch.no_grad():
+    with _preserved_state(model), torch.set_grad_enabled(grad):
         got = fn(*args)
     a, _ = tree_flatten(reference)
     b, _ = tree_flatten(got)
@@ -269,6 +282,7 @@ def optimize(
     rules: RuleSpec = None,
     keep_params: bool = False,
     check: bool = True,
+    backend: Any = "eager",
 ) -> OptimizedModule:
     """Make ``model`` faster by rewriting its graph; same outputs and gradients.
 
@@ -283,11 +297,15 @@ def optimize(
             optimizer after ``optimize``.
         check: compare the optimized graph with the model on the example inputs and fall back
             to the captured graph if they differ.
+        backend: what runs the optimized graphs: ``"eager"`` (PyTorch ops as rewritten),
+            ``"inductor"`` (``torch.compile`` of fxrec's graphs, with fused parameters laid
+            out once, which the ``torch.compile`` plug-ins cannot do since parameters reach
+            them as graph inputs), or any ``torch.compile`` backend name or callable.
 
     Returns:
         an :class:`OptimizedModule`; its ``fxrec_report`` says what was done.
     """
-    opt = OptimizedModule(model, rules, keep_params=keep_params, check=check)
+    opt = OptimizedModule(model, rules, keep_params=keep_params, check=check, backend=backend)
     if example_inputs is not None:
         if not isinstance(example_inputs, tuple):
             example_inputs = (example_inputs,)
@@ -297,7 +315,8 @@ def optimize(
             # dynamo compiles (and fxrec optimizes) on the first call; check it like a trace.
             with _preserved_state(model), torch.no_grad():
                 reference = model(*example_inputs)
-            if check and not _same_outputs(model, runner, example_inputs, reference):
+            grad = torch.is_grad_enabled()
+            if check and not _same_outputs(model, runner, example_inputs, reference, grad):
                 logger.warning(
                     "fxrec: optimized graphs disagree with the model on the example inputs; running eagerly"
                 )

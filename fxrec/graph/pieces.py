@@ -26,11 +26,17 @@ __all__ = [
     "SPLIT_FUNCTIONS",
     "CHUNK_FUNCTIONS",
     "UNBIND_FUNCTIONS",
+    "SPLIT_LIKE",
 ]
 
 SPLIT_FUNCTIONS = {torch.split, torch.functional.split, torch.Tensor.split}
 CHUNK_FUNCTIONS = {torch.chunk, torch.Tensor.chunk}
 UNBIND_FUNCTIONS = {torch.unbind, torch.Tensor.unbind}
+# Every node :func:`split_sizes` can read, as a rule's ``candidates``.
+SPLIT_LIKE = {
+    "call_function": SPLIT_FUNCTIONS | CHUNK_FUNCTIONS | UNBIND_FUNCTIONS,
+    "call_method": {"split", "chunk", "unbind"},
+}
 
 
 @dataclass(frozen=True)

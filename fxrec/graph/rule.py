@@ -16,8 +16,9 @@ rule unless told otherwise.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar, Generic, TypeVar
 
 import torch.fx as fx
@@ -40,6 +41,9 @@ __all__ = [
 ]
 
 _REGISTRY: dict[str, type[Rule]] = {}
+
+# A reader with this many inputs is rebuilt once per fused set (see batched_replacements).
+WIDE_READER_INPUTS = 32
 
 T = TypeVar("T")
 
@@ -89,6 +93,9 @@ class RewriteContext:
         self.device_type = device_type
         self._modules: dict[str, nn.Module] = {}
         self._caches: dict[Callable[[fx.Node], Any], NodeCache[Any]] = {}
+        self._batching = False
+        self._deferred: dict[fx.Node, dict[fx.Node, fx.Node]] = {}  # reader -> {old: new}
+        self._deferred_olds: set[fx.Node] = set()
 
     def cached(self, fn: Callable[[fx.Node], T]) -> NodeCache[T]:
         """A :class:`NodeCache` of ``fn`` that lives as long as this context (one run)."""
@@ -136,13 +143,65 @@ class RewriteContext:
         return node
 
     def replace(self, old: fx.Node, new: fx.Node) -> None:
-        """Route every use of ``old`` to ``new`` (metadata moves along if ``new`` has none)."""
+        """Route every use of ``old`` to ``new`` (metadata moves along if ``new`` has none).
+
+        Inside :meth:`batched_replacements`, a replacement whose only reader is a node with
+        many inputs may take effect later (see there).
+        """
         if meta.info(new) is None and meta.info(old) is not None:
             meta.set_info(new, meta.info(old))
+        if self._batching and self._defer(old, new):
+            return
+        self.flush_replacements()
         old.replace_all_uses_with(new)
+
+    @contextlib.contextmanager
+    def batched_replacements(self) -> Iterator[None]:
+        """Rebuild each wide reader once for a whole fused set, not once per member.
+
+        fx rebuilds a node's whole argument list for every input it reroutes, so replacing
+        the N members read by one ``cat`` of N inputs one by one costs N^2. Within this
+        block, a replacement whose ``old`` has exactly one reader, with at least
+        :data:`WIDE_READER_INPUTS` inputs, and whose ``new`` has no reader yet, is recorded
+        and applied when the block ends, when :meth:`erase_if_dead` runs, or before any other
+        replacement. Readers are rebuilt in the order they were last touched, so the graph
+        (users' order included) ends up exactly as with one-by-one replacement. The driver
+        wraps each horizontal :meth:`HorizontalRule.fuse` in it; rules rewrite members with
+        :meth:`replace` and then call :meth:`erase_if_dead`, reading no reader in between.
+        """
+        self._batching = True
+        try:
+            yield
+        finally:
+            self._batching = False
+            self.flush_replacements()
+
+    def _defer(self, old: fx.Node, new: fx.Node) -> bool:
+        """Record ``old -> new`` for :meth:`flush_replacements` if that is exact; see above."""
+        if len(old.users) != 1 or new.users or old in self._deferred_olds:
+            return False
+        (reader,) = old.users
+        pending = self._deferred.pop(reader, None)
+        if pending is None:
+            if len(reader.all_input_nodes) < WIDE_READER_INPUTS:
+                return False
+            pending = {}
+        pending[old] = new
+        self._deferred[reader] = pending  # (re)inserted last: readers flush in last-touch order
+        self._deferred_olds.add(old)
+        return True
+
+    def flush_replacements(self) -> None:
+        """Apply the replacements :meth:`batched_replacements` has held back."""
+        if not self._deferred:
+            return
+        deferred, self._deferred, self._deferred_olds = self._deferred, {}, set()
+        for reader, mapping in deferred.items():
+            _reroute(reader, mapping)
 
     def erase_if_dead(self, nodes: Iterable[fx.Node]) -> None:
         """Erase nodes (and then their dead inputs) that no longer have users."""
+        self.flush_replacements()
         work = list(nodes)
         while work:
             n = work.pop()
@@ -155,11 +214,28 @@ class RewriteContext:
             work.extend(inputs)
 
 
+def _reroute(node: fx.Node, mapping: dict[fx.Node, fx.Node]) -> None:
+    """Replace ``node``'s inputs per ``mapping`` with one rebuild of its arguments."""
+
+    def swap(n: fx.Node) -> fx.Node:
+        return mapping.get(n, n)
+
+    node.args = fx.node.map_arg(node.args, swap)
+    if node.kwargs:
+        node.kwargs = fx.node.map_arg(node.kwargs, swap)
+
+
 class Rule:
     """Base of every atomic rule; subclasses set ``name`` and ``family``."""
 
     name: ClassVar[str] = ""
     family: ClassVar[str] = ""
+    #: The nodes :meth:`LocalRule.match` / :meth:`HorizontalRule.key` can accept at all, as
+    #: ``{op: targets}`` (a collection of targets, or None for any target of that op); None,
+    #: the default, means every node. On a large graph most nodes are of no use to a given
+    #: rule, and the driver calls match/key on these nodes only, so for every other node
+    #: match/key must return None.
+    candidates: ClassVar[Mapping[str, Collection[Any] | None] | None] = None
 
     def fired(self, ctx: RewriteContext, nodes: Sequence[fx.Node], detail: str = "") -> None:
         ctx.report.fired(self.name, self.family, list(nodes), detail)

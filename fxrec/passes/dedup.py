@@ -232,6 +232,7 @@ class MergeUnusedPieces(LocalRule):
 
     name = "merge_unused_pieces"
     family = "dedup"
+    candidates = {"call_function": SPLIT_FUNCTIONS, "call_method": {"split"}}
 
     def match(self, node: fx.Node, ctx: RewriteContext) -> Any:
         is_split = (node.op == "call_function" and node.target in SPLIT_FUNCTIONS) or (

@@ -266,6 +266,10 @@ class FuseParallelLookups(HorizontalRule):
 
     name = "parallel_embedding"
     family = "embedding"
+    candidates = {
+        "call_module": None,
+        "call_function": EMBEDDING_FUNCTIONS | EMBEDDING_BAG_FUNCTIONS,
+    }
 
     def key(self, node: fx.Node, ctx: RewriteContext) -> Hashable | None:
         lk = lookup_call(node, ctx)

@@ -122,6 +122,7 @@ class FuseLinearSameInput(HorizontalRule):
 
     name = "parallel_linear_same_input"
     family = "linear"
+    candidates = {"call_module": None, "call_function": LINEAR_FUNCTIONS}
 
     def key(self, node: fx.Node, ctx: RewriteContext) -> Hashable | None:
         lc = linear_call(node, ctx)
@@ -239,6 +240,7 @@ class FuseLinearBatched(HorizontalRule):
 
     name = "parallel_linear_batched"
     family = "linear"
+    candidates = {"call_module": None, "call_function": LINEAR_FUNCTIONS}
 
     def key(self, node: fx.Node, ctx: RewriteContext) -> Hashable | None:
         lc = linear_call(node, ctx)

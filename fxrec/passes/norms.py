@@ -242,6 +242,7 @@ class FuseParallelLayerNorm(HorizontalRule):
 
     name = "parallel_layer_norm"
     family = "norms"
+    candidates = {"call_module": None, "call_function": LAYER_NORM_FUNCTIONS}
 
     def key(self, node: fx.Node, ctx: RewriteContext) -> Hashable | None:
         ln = layer_norm_call(node, ctx)
@@ -379,6 +380,7 @@ class FuseParallelBatchNorm(HorizontalRule):
 
     name = "parallel_batch_norm"
     family = "norms"
+    candidates = {"call_module": None, "call_function": BATCH_NORM_FUNCTIONS}
 
     def key(self, node: fx.Node, ctx: RewriteContext) -> Hashable | None:
         bn = batch_norm_call(node, ctx)

@@ -39,7 +39,7 @@ import torch.fx as fx
 
 from fxrec.graph import meta
 from fxrec.graph.effects import mutates_input, written_in_place
-from fxrec.graph.pieces import Piece, piece_of, split_sizes
+from fxrec.graph.pieces import SPLIT_LIKE, Piece, piece_of, split_sizes
 from fxrec.graph.rule import LocalRule, RewriteContext, register
 
 __all__ = [
@@ -223,6 +223,7 @@ class DropSingleSplit(LocalRule):
 
     name = "drop_single_split"
     family = "split_cat"
+    candidates = SPLIT_LIKE
 
     def match(self, node: fx.Node, ctx: RewriteContext) -> Any:
         s = split_sizes(node)
@@ -247,6 +248,7 @@ class MergeSplits(LocalRule):
 
     name = "merge_splits"
     family = "split_cat"
+    candidates = SPLIT_LIKE
 
     def match(self, node: fx.Node, ctx: RewriteContext) -> Any:
         inner = split_sizes(node)
@@ -292,6 +294,7 @@ class CatOfSplit(LocalRule):
 
     name = "cat_of_split"
     family = "split_cat"
+    candidates = {"call_function": CAT_FUNCTIONS | STACK_FUNCTIONS}
 
     def match(self, node: fx.Node, ctx: RewriteContext) -> Any:
         c = cat_args(node)
@@ -367,6 +370,7 @@ class CatRunOfPieces(LocalRule):
 
     name = "cat_run_of_pieces"
     family = "split_cat"
+    candidates = {"call_function": CAT_FUNCTIONS}
 
     def match(self, node: fx.Node, ctx: RewriteContext) -> Any:
         c = cat_args(node)
@@ -460,6 +464,7 @@ class SplitOfCat(LocalRule):
 
     name = "split_of_cat"
     family = "split_cat"
+    candidates = SPLIT_LIKE
 
     def match(self, node: fx.Node, ctx: RewriteContext) -> Any:
         s = split_sizes(node)
@@ -511,6 +516,7 @@ class StackOfPieces(LocalRule):
 
     name = "stack_of_pieces"
     family = "split_cat"
+    candidates = {"call_function": {torch.stack}}
 
     def match(self, node: fx.Node, ctx: RewriteContext) -> Any:
         if node.op != "call_function" or node.target is not torch.stack or node.kwargs:

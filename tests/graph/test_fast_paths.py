@@ -1,0 +1,225 @@
+"""The shortcuts that keep the passes linear give exactly what the plain computations give."""
+
+from __future__ import annotations
+
+import heapq
+import operator
+import random
+from collections import defaultdict
+
+import pytest
+import torch
+import torch.fx as fx
+from hypothesis import given
+from hypothesis import strategies as st
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from fxrec.graph import meta
+from fxrec.graph.optimize_graph import _Snapshot
+from fxrec.graph.params import ParamStore
+from fxrec.graph.pieces import piece_of, split_sizes
+from fxrec.graph.report import Report
+from fxrec.graph.rule import WIDE_READER_INPUTS, NodeCache, RewriteContext
+from fxrec.graph.search import _stable_order
+
+
+# -- topological order ---------------------------------------------------------------------------
+def _kahn(nodes: list[fx.Node], is_ordered) -> list[fx.Node]:
+    """Reference: Kahn's algorithm over every node with the old position as priority."""
+    pos = {n: i for i, n in enumerate(nodes)}
+    deps = {n: set(n.all_input_nodes) for n in nodes}
+    last = None
+    for n in nodes:
+        if is_ordered(n):
+            if last is not None:
+                deps[n].add(last)
+            last = n
+    indeg = {n: len(d) for n, d in deps.items()}
+    users = defaultdict(list)
+    for n, d in deps.items():
+        for m in d:
+            users[m].append(n)
+    heap = [(pos[n], n.name, n) for n in nodes if indeg[n] == 0]
+    heapq.heapify(heap)
+    order = []
+    while heap:
+        _, _, n = heapq.heappop(heap)
+        order.append(n)
+        for u in users[n]:
+            indeg[u] -= 1
+            if indeg[u] == 0:
+                heapq.heappush(heap, (pos[u], u.name, u))
+    return order
+
+
+@given(
+    st.integers(min_value=3, max_value=40),
+    st.integers(min_value=0, max_value=10_000),
+    st.floats(min_value=0.0, max_value=0.5),
+)
+def test_stable_order_is_kahns_order(n: int, seed: int, p_ordered: float) -> None:
+    rng = random.Random(seed)
+    g = fx.Graph()
+    nodes = [g.placeholder("x")]
+    for _ in range(n):
+        ins = rng.sample(nodes, k=min(len(nodes), rng.randint(1, 2)))
+        nodes.append(g.call_function(torch.add, (ins[0], ins[-1])))
+    g.output(nodes[-1])
+    # Move some nodes earlier, as a fused node inserted before its last member leaves
+    # users of earlier members in front of it.
+    for _ in range(rng.randint(0, 6)):
+        a, b = sorted(rng.sample(range(1, n + 1), 2))
+        nodes[a].prepend(nodes[b])
+    ordered = {x for x in g.nodes if rng.random() < p_ordered}
+    current = list(g.nodes)
+    assert _stable_order(current, ordered.__contains__) == _kahn(current, ordered.__contains__)
+
+
+# -- metadata of glue ops --------------------------------------------------------------------------
+def _fake_info(node: fx.Node) -> object:
+    """Metadata the way :func:`meta.infer` computes it on fake tensors."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    args = fx.node.map_aggregate(node.args, lambda x: meta._fake_arg(mode, x))
+    with mode:
+        out = node.target(*args)
+    return fx.node.map_aggregate(
+        out, lambda x: meta.TensorInfo.of(x) if isinstance(x, torch.Tensor) else x
+    )
+
+
+def _input(g: fx.Graph, name: str, shape: tuple[int, ...], dtype, rg: bool) -> fx.Node:
+    node = g.placeholder(name)
+    meta.set_info(node, meta.TensorInfo(shape, dtype, torch.device("cpu"), rg))
+    return node
+
+
+@pytest.mark.parametrize("grad", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda g, x, y: g.call_function(torch.split, (x, [1, 3, 0, 2], 1)),
+        lambda g, x, y: g.call_function(torch.split, (x, [4, 2], -1)),
+        lambda g, x, y: g.call_function(torch.unbind, (x, 0)),
+        lambda g, x, y: g.call_function(torch.unbind, (x, -1)),
+        lambda g, x, y: g.call_function(torch.cat, ([x, y, x], 0)),
+        lambda g, x, y: g.call_function(torch.cat, ([x, y], -2)),
+        lambda g, x, y: g.call_function(torch.stack, ([x, y], 0)),
+        lambda g, x, y: g.call_function(torch.stack, ([x, y, y], 2)),
+        lambda g, x, y: g.call_function(torch.stack, ((x, y), -1)),
+    ],
+)
+def test_glue_metadata_matches_fake_tensors(make, dtype, grad: bool) -> None:
+    g = fx.Graph()
+    x = _input(g, "x", (3, 6), dtype, True)
+    y = _input(g, "y", (3, 6), dtype, False)
+    node = make(g, x, y)
+    with torch.set_grad_enabled(grad):
+        expected = _fake_info(node)
+        assert meta.infer(None, node)  # type: ignore[arg-type]
+    assert meta.info(node) == expected
+
+
+def test_glue_metadata_leaves_unusual_forms_to_fake_tensors() -> None:
+    g = fx.Graph()
+    x = _input(g, "x", (3, 6), torch.float32, False)
+    y = _input(g, "y", (3, 5), torch.float32, False)
+    z = _input(g, "z", (3, 6), torch.float16, False)
+    for args in [(x, [1, 2], 1), (x, 2, 1), (x, [6], 2)]:  # bad sizes, int size, bad dim
+        assert meta._glue_info(g.call_function(torch.split, args)) is None
+    assert meta._glue_info(g.call_function(torch.stack, ([x, y],))) is None
+    assert meta._glue_info(g.call_function(torch.stack, ([x, y], 0))) is None  # shapes differ
+    assert meta._glue_info(g.call_function(torch.cat, ([x, z], 1))) is None  # dtypes differ
+    assert meta._glue_info(g.call_function(torch.cat, ([x, y], 0))) is None  # dim 1 differs
+    # Where it declines, infer still answers through fake tensors.
+    node = g.call_function(torch.cat, ([x, z], 1))
+    assert meta.infer(None, node)  # type: ignore[arg-type]
+    assert meta.info(node).dtype == torch.float32
+
+
+# -- cached per-node facts -------------------------------------------------------------------------
+def test_node_cache_follows_argument_changes() -> None:
+    g = fx.Graph()
+    x, y = g.placeholder("x"), g.placeholder("y")
+    a = g.call_function(torch.add, (x, 1))
+    calls = []
+    cache = NodeCache(lambda n: calls.append(n) or n.args)
+    assert cache(a) == (x, 1) and cache(a) == (x, 1) and len(calls) == 1
+    x.replace_all_uses_with(y)
+    assert cache(a) == (y, 1) and len(calls) == 2
+    a.kwargs = {"alpha": 2}
+    cache(a)
+    assert len(calls) == 3
+
+
+def test_piece_layout_follows_its_split() -> None:
+    g = fx.Graph()
+    x = _input(g, "x", (2, 10), torch.float32, False)
+    s = g.call_function(torch.split, (x, [4, 6], 1))
+    item = g.call_function(operator.getitem, (s, 1))
+    p = piece_of(item)
+    assert p is not None and (p.start, p.length, p.index) == (4, 6, 1)
+    s.args = (x, [3, 7], 1)
+    p = piece_of(item)
+    assert p is not None and (p.start, p.length) == (3, 7)
+    meta.set_info(x, meta.TensorInfo((2, 12), torch.float32, torch.device("cpu")))
+    assert piece_of(item) is None and split_sizes(s) is None  # sizes no longer tile x
+    sizes = split_sizes(g.call_function(torch.split, (x, [5, 7], 1)))
+    assert sizes is not None
+    sizes[2].append(1)  # callers get their own list
+    assert split_sizes(g.call_function(torch.split, (x, [5, 7], 1)))[2] == [5, 7]
+
+
+# -- replacing many members read by one wide node -------------------------------------------------
+def _wide_graph(n: int) -> tuple[fx.GraphModule, list[fx.Node], list[fx.Node]]:
+    root = torch.nn.Module()
+    g = fx.Graph()
+    x = g.placeholder("x")
+    members = [g.call_function(torch.tanh, (x,)) for _ in range(n)]
+    outs = [g.call_function(torch.sigmoid, (x,)) for _ in range(n)]
+    side = g.call_function(torch.relu, (x,))
+    cat = g.call_function(torch.cat, ([*members, side],))
+    g.output((cat, side))
+    return fx.GraphModule(root, g), members, outs
+
+
+def _users(gm: fx.GraphModule) -> list[tuple[str, list[str], str]]:
+    return [(n.name, [u.name for u in n.users], repr(n.args)) for n in gm.graph.nodes]
+
+
+@pytest.mark.parametrize("n", [3, WIDE_READER_INPUTS + 5])
+def test_batched_replacements_end_like_one_by_one(n: int) -> None:
+    expected, members, outs = _wide_graph(n)
+    for m, o in zip(members, outs):
+        m.replace_all_uses_with(o)
+    for m in members:
+        expected.graph.erase_node(m)
+
+    gm, members, outs = _wide_graph(n)
+    ctx = RewriteContext(gm, Report(), ParamStore(gm, None))
+    with ctx.batched_replacements():
+        for m, o in zip(members, outs):
+            ctx.replace(m, o)
+        ctx.erase_if_dead(members)
+    assert _users(gm) == _users(expected)
+    gm.graph.lint()
+
+
+def test_snapshot_restores_what_a_copy_would() -> None:
+    g = fx.Graph()
+    x = g.placeholder("x")
+    s = g.call_function(torch.split, (x, [1, 2], 1), {})
+    a = g.call_function(operator.getitem, (s, 0))
+    b = g.call_method("relu", (a,), {})
+    g.output((a, {"b": b}))
+    for n in g.nodes:
+        n.meta["tag"] = n.name
+    copied = fx.Graph()
+    copied.output(copied.graph_copy(g, {}))
+    snap = _Snapshot(g)
+    b.args = (x,)
+    b.meta["tag"] = "changed"
+    g.erase_node(g.output_node())
+    restored = snap.restore()
+    assert restored.python_code("self").src == copied.python_code("self").src
+    assert [n.meta.get("tag") for n in restored.nodes] == [n.meta.get("tag") for n in copied.nodes]
