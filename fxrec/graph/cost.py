@@ -13,10 +13,12 @@ members at batch 2048 (8 Mi elements fused) 1.15x slower; at batch 256 both are 
 The rule of thumb, calibrated with ``python -m fxrec bench graph`` on a 2-core AMD EPYC
 (1 MiB L2 per core, 32 MiB L3): on CPU, fuse memory-bound ops (norms, pointwise ops) and
 the GEMMs that feed them only while each member's result is at most
-:data:`CPU_MEMBER_ELEMS` elements and the fused result at most :data:`CPU_GROUP_ELEMS`.
-Larger groups are refused with the reason in the report (the model then runs those ops as
-written: never slower). Grouped embedding lookups are not memory-bound this way (their
-win is in the backward) and do not consult this model.
+:data:`CPU_MEMBER_ELEMS` elements (larger members are refused, with the reason in the
+report: the model runs those ops as written), and cut a group whose fused result would
+exceed :data:`CPU_GROUP_ELEMS` into consecutive chunks that do not (:func:`chunks`): 256
+LayerNorms of 2048 x 16 become 8 fused LayerNorms of 32 members, each working in cache.
+Grouped embedding lookups are not memory-bound this way (their win is in the backward) and
+do not consult this model.
 """
 
 from __future__ import annotations
@@ -27,10 +29,10 @@ import torch.fx as fx
 
 from fxrec.graph import meta
 
-__all__ = ["CPU_GROUP_ELEMS", "CPU_MEMBER_ELEMS", "cache_reason"]
+__all__ = ["CPU_GROUP_ELEMS", "CPU_MEMBER_ELEMS", "cache_reason", "chunks"]
 
 CPU_MEMBER_ELEMS = 32 * 1024
-CPU_GROUP_ELEMS = 4 * 1024 * 1024
+CPU_GROUP_ELEMS = 1024 * 1024
 
 
 def _numel(node: fx.Node) -> int | None:
@@ -52,16 +54,32 @@ def cache_reason(group: Sequence[fx.Node], device_type: str) -> str | None:
     known = [s for s in sizes if s is not None]
     if not known:
         return None
-    largest, total = max(known), sum(known)
+    largest = max(known)
     if largest > CPU_MEMBER_ELEMS:
         return (
             f"CPU cost model: {largest} elements per member (> {CPU_MEMBER_ELEMS}): dispatch is "
             "negligible at this size and fused the members would stream through memory "
             "instead of cache"
         )
-    if total > CPU_GROUP_ELEMS:
-        return (
-            f"CPU cost model: {total} elements fused (> {CPU_GROUP_ELEMS}): the fused tensor "
-            "no longer stays in cache between the ops of the chain"
-        )
     return None
+
+
+def chunks(group: Sequence[fx.Node], device_type: str) -> list[list[fx.Node]]:
+    """``group`` cut into consecutive sets whose fused tensors stay in cache on a CPU.
+
+    Members are kept in the model's written order (:func:`fxrec.graph.meta.program_order`),
+    so each chunk of a split's pieces is still a run of pieces (a view, no copy). On a GPU,
+    or when sizes are unknown, the group stays whole.
+    """
+    if device_type != "cpu":
+        return [list(group)]
+    sizes = [_numel(n) for n in group]
+    if any(s is None for s in sizes) or sum(sizes) <= CPU_GROUP_ELEMS:  # type: ignore[arg-type]
+        return [list(group)]
+    per = max(1, CPU_GROUP_ELEMS // max(sizes))  # type: ignore[type-var]
+    per = max(2, per)
+    ordered = sorted(group, key=meta.program_order)
+    parts = [ordered[i : i + per] for i in range(0, len(ordered), per)]
+    if len(parts) > 1 and len(parts[-1]) < 2:  # a lone member: give it to the chunk before
+        parts[-2].extend(parts.pop())
+    return parts

@@ -1,11 +1,16 @@
 """The driver: runs atomic rules over a graph until none of them changes anything.
 
-One pass visits every rule once. Local rules see every node; horizontal rules go through
-the two-step search of :mod:`fxrec.graph.search` against one :class:`Reachability` index
-built at the start of the pass. Nodes created during a pass are candidates from the next
-pass on, which is how small rules chain into big fusions: LayerNorms fuse in pass 1, the
-tanhs that now read one fused LayerNorm fuse in pass 2, the split/cat pair around them
-cancels in pass 3.
+One pass visits every rule once. Local rules see every node they can use (their
+:attr:`~fxrec.graph.rule.Rule.candidates`); horizontal rules go through the two-step search
+of :mod:`fxrec.graph.search` against one :class:`Reachability` index built at the start of
+the pass. Nodes created during a pass are candidates from the next pass on, which is how
+small rules chain into big fusions: LayerNorms fuse in pass 1, the tanhs that now read one
+fused LayerNorm fuse in pass 2, the split/cat pair around them cancels in pass 3.
+
+A pass costs time linear in the graph: per-node facts that survive a pass are cached for the
+run (:meth:`RewriteContext.cached`), buckets too small for a set are dropped before any
+dependency work, a fused set's wide readers are rebuilt once (not once per member), and the
+topological sort after a pass moves only the nodes that must move.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["run_rules"]
 
 MAX_PASSES = 32
+_NO_OP: Any = object()
 
 
 def _candidates(rule: Rule, nodes: Iterable[fx.Node]) -> list[fx.Node]:
@@ -33,23 +39,26 @@ def _candidates(rule: Rule, nodes: Iterable[fx.Node]) -> list[fx.Node]:
     spec = rule.candidates
     if spec is None:
         return list(nodes)
-    out = []
-    for n in nodes:
-        if n.op in spec:
-            targets = spec[n.op]
-            if targets is None or _has_target(targets, n.target):
-                out.append(n)
-    return out
-
-
-def _has_target(targets: Collection[Any], target: Any) -> bool:
     try:
-        return target in targets
-    except TypeError:  # an unhashable target: let the rule itself look at it
+        return [
+            n
+            for n in nodes
+            if (targets := spec.get(n.op, _NO_OP)) is not _NO_OP
+            and (targets is None or n.target in targets)
+        ]
+    except TypeError:  # an unhashable target somewhere: let the rule look at those itself
+        return [n for n in nodes if n.op in spec and _may_be(spec[n.op], n.target)]
+
+
+def _may_be(targets: Collection[Any] | None, target: Any) -> bool:
+    try:
+        return targets is None or target in targets
+    except TypeError:
         return True
 
 
 def _run_local(rule: LocalRule, ctx: RewriteContext) -> bool:
+    """One sweep of a local rule over the graph, in order; True if it rewrote anything."""
     changed = False
     for node in _candidates(rule, ctx.graph.nodes):
         if node.graph is not ctx.graph:  # erased by an earlier rewrite in this loop
@@ -76,15 +85,18 @@ def _run_horizontal(
             if not reach.still_independent(group):
                 deferred = True
                 continue
-            reason = rule.refuse_reason(group, ctx)
-            if reason is not None:
-                rule.refuse(ctx, group, reason)
-                continue
-            last = max(group, key=reach.index.__getitem__)
-            with ctx.graph.inserting_before(last), ctx.batched_replacements():
-                rule.fuse(group, ctx)
-            reach.merge(group)
-            changed = True
+            for part in rule.partition(group, ctx):
+                if len(part) < rule.min_size:
+                    continue
+                reason = rule.refuse_reason(part, ctx)
+                if reason is not None:
+                    rule.refuse(ctx, part, reason)
+                    continue
+                last = max(part, key=reach.index.__getitem__)
+                with ctx.graph.inserting_before(last), ctx.batched_replacements():
+                    rule.fuse(part, ctx)
+                reach.merge(part)
+                changed = True
     return changed, deferred
 
 
@@ -136,10 +148,9 @@ def run_rules(ctx: RewriteContext, rules: Sequence[Rule]) -> int:
             break
     else:
         ctx.report.notes.append(f"stopped after {MAX_PASSES} passes without reaching a fixed point")
-    # Nodes dead-code elimination must keep although nothing reads their result.
+    # has_side_effects: the nodes dead-code elimination must keep although nothing reads them.
     graph.eliminate_dead_code(is_impure_node=ctx.cached(has_side_effects))
-    # No lint/recompile here: the caller (optimize_graph) does both once; each costs ~0.1 s
-    # per 1,000 nodes, a large part of the whole pass on big graphs.
+    # No lint/recompile here: the caller (optimize_graph) does both once, after the passes.
     ctx.report.passes = max(ctx.report.passes, passes)
     logger.debug(
         "rules reached a fixed point in %d passes, %.1f ms",

@@ -61,10 +61,12 @@ def scatter(ctx: RewriteContext, fused: fx.Node, g: Gathered) -> list[fx.Node]:
     else:
         parts = ctx.call(torch.split, (fused, list(g.sizes), g.dim))
     outs = []
+    ti = meta.info(parts)
+    infos = ti if isinstance(ti, (list, tuple)) else ()
     for i in range(len(g.sizes)):
-        item = ctx.graph.call_function(operator.getitem, (parts, i))
-        ti = meta.info(parts)
-        if isinstance(ti, (list, tuple)) and i < len(ti):
-            meta.set_info(item, ti[i])
+        # The name fx derives from the target, given so it is not derived N times.
+        item = ctx.graph.call_function(operator.getitem, (parts, i), name="getitem")
+        if i < len(infos):
+            meta.set_info(item, infos[i])
         outs.append(item)
     return outs

@@ -100,6 +100,9 @@ def info(node: Any) -> Any:
 
 def set_info(node: fx.Node, value: Any) -> None:
     """Record metadata for a node (tensors are converted to :class:`TensorInfo`)."""
+    if type(value) is TensorInfo:  # the common case, and what map_aggregate would return
+        node.meta[_KEY] = value
+        return
     node.meta[_KEY] = map_aggregate(
         value, lambda x: TensorInfo.of(x) if isinstance(x, torch.Tensor) else x
     )

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import types
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -83,6 +84,7 @@ class OptimizedModule(nn.Module):
         self._traced: dict[bool, fx.GraphModule | None] = {}
         self._runners: dict[Any, Any] = {}
         self._compiled: Any = None
+        self._dynamo_backend: Any = None
         self.fxrec_report = Report()
         self.train(model.training)
 
@@ -126,10 +128,19 @@ class OptimizedModule(nn.Module):
         return runner
 
     def _dynamo_runner(self) -> Any:
-        if self._compiled is None:
+        """A dynamo capture of the model for one input signature, with a cache of its own.
+
+        Dynamo keeps its compiled graphs per code object and, past ``recompile_limit``
+        (8) entries, silently runs the frame eagerly. Every instance of a model class shares
+        ``forward``'s code object, so optimizing several instances, or one on many input
+        signatures, would hit that limit; run eagerly, a model whose parameters fxrec laid
+        out would then send its gradients to the members instead of the flat parameters.
+        Each signature therefore compiles a private copy of ``forward``'s code object.
+        """
+        if self._dynamo_backend is None:
             from fxrec.compile.backend import compile_backend
 
-            backend = compile_backend(
+            self._dynamo_backend = compile_backend(
                 inner=self._backend,
                 rules=self._rules,
                 model=self.model,
@@ -137,7 +148,9 @@ class OptimizedModule(nn.Module):
                 report=self.fxrec_report,
             )
             self.fxrec_report.capture = "dynamo"
-            self._compiled = torch.compile(self.model, backend=backend, dynamic=False)
+        self._compiled = torch.compile(
+            _own_code(self.model), backend=self._dynamo_backend, dynamic=False
+        )
         return self._compiled
 
     def _optimize_traced(self, traced: fx.GraphModule, args: tuple) -> Any:
@@ -193,6 +206,20 @@ class OptimizedModule(nn.Module):
         self._traced.clear()
         self._compiled = None
         return self
+
+
+def _own_code(model: nn.Module) -> Any:
+    """``model.forward`` bound to a private copy of its code object (see ``_dynamo_runner``)."""
+    fwd = model.forward
+    fn = getattr(fwd, "__func__", None)
+    if not isinstance(fn, types.FunctionType) or getattr(fwd, "__self__", None) is not model:
+        return model  # a forward we cannot copy (a C function, a callable object): as is
+    copy = types.FunctionType(
+        fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
+    )
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    copy.__qualname__ = fn.__qualname__
+    return types.MethodType(copy, model)
 
 
 def _copy_graph(g: fx.Graph) -> fx.Graph:

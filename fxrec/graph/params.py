@@ -112,22 +112,34 @@ class ParamStore:
     def __init__(self, gm: fx.GraphModule, owner: FusedParameters | None) -> None:
         self.gm = gm
         self.owner = owner
+        # Attribute path -> tensor. Attributes are added while rules run, never reassigned.
+        self._tensors: dict[str, torch.Tensor] = {}
 
     def _owned_tensor(self, node: fx.Node) -> torch.Tensor | None:
         if node.op != "get_attr":
             return None
+        t = self._tensors.get(node.target)
+        if t is not None:
+            return t
         obj: object = self.gm
         for part in node.target.split("."):
             obj = getattr(obj, part, None)
             if obj is None:
                 return None
-        return obj if isinstance(obj, torch.Tensor) else None
+        if not isinstance(obj, torch.Tensor):
+            return None
+        self._tensors[node.target] = obj
+        return obj
 
     def can_lay_out(self, nodes: Sequence[fx.Node]) -> bool:
         """True if these parameter nodes can share one flat tensor (no in-graph gather)."""
         if self.owner is None:
             return False
-        ts = [self._owned_tensor(n) for n in nodes]
+        return self._can_lay_out([self._owned_tensor(n) for n in nodes])
+
+    def _can_lay_out(self, ts: Sequence[torch.Tensor | None]) -> bool:
+        """:meth:`can_lay_out` for the nodes' tensors (None: not a tensor of the model)."""
+        assert self.owner is not None
         if any(t is None for t in ts):
             return False
         if len({id(t) for t in ts}) != len(ts):
@@ -149,7 +161,7 @@ class ParamStore:
             ts = [self._owned_tensor(n) for n in nodes]
             if all(t is not None for t in ts):
                 name = self.owner.lookup(how, ts)  # type: ignore[arg-type]
-                if name is None and self.can_lay_out(nodes):
+                if name is None and self._can_lay_out(ts):
                     name = self.owner.add(how, ts)  # type: ignore[arg-type]
                 if name is not None:
                     if not hasattr(self.gm, OWNER_ATTR):

@@ -9,7 +9,6 @@ these pieces form one contiguous range?".
 from __future__ import annotations
 
 import operator
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -70,12 +69,11 @@ class _SplitLayout:
     squeezed: bool
 
 
-# Split node -> (args, kwargs, target, base metadata, layout) at the time it was read. A split
-# of N pieces has N getitem users; reading its layout once instead of once per piece keeps
-# ``piece_of`` O(1) rather than O(N).
-_LAYOUTS: weakref.WeakKeyDictionary[fx.Node, tuple[Any, Any, Any, Any, _SplitLayout | None]] = (
-    weakref.WeakKeyDictionary()
-)
+# A split of N pieces has N getitem users: reading its layout once instead of once per piece
+# keeps ``piece_of`` O(1) rather than O(N). The layout is kept on the split node itself, as
+# (args, kwargs, target, base metadata, layout) at the time it was read, so it lives and dies
+# with its graph.
+_LAYOUT_ATTR = "_fxrec_split_layout"
 
 
 def _base_info(node: fx.Node) -> Any:
@@ -87,7 +85,7 @@ def _base_info(node: fx.Node) -> Any:
 def _layout(node: fx.Node) -> _SplitLayout | None:
     """:func:`split_sizes` as a cached :class:`_SplitLayout`; recomputed when the node changes."""
     args, kwargs, target = node.args, node.kwargs, node.target
-    cached = _LAYOUTS.get(node)
+    cached = node.__dict__.get(_LAYOUT_ATTR)
     info = _base_info(node)
     if (
         cached is not None
@@ -106,7 +104,8 @@ def _layout(node: fx.Node) -> _SplitLayout | None:
             starts.append(pos)
             pos += n
         layout = _SplitLayout(base, dim, tuple(sizes), tuple(starts), squeezed)
-    _LAYOUTS[node] = (args, kwargs, target, info, layout)
+    # Set in the instance dict directly: Node.__setattr__ re-indexes the node on every set.
+    node.__dict__[_LAYOUT_ATTR] = (args, kwargs, target, info, layout)
     return layout
 
 

@@ -95,7 +95,7 @@ class RewriteContext:
         self._caches: dict[Callable[[fx.Node], Any], NodeCache[Any]] = {}
         self._batching = False
         self._deferred: dict[fx.Node, dict[fx.Node, fx.Node]] = {}  # reader -> {old: new}
-        self._deferred_olds: set[fx.Node] = set()
+        self._deferred_nodes: set[fx.Node] = set()  # every old and new held back
 
     def cached(self, fn: Callable[[fx.Node], T]) -> NodeCache[T]:
         """A :class:`NodeCache` of ``fn`` that lives as long as this context (one run)."""
@@ -132,12 +132,14 @@ class RewriteContext:
         self, target: Any, args: tuple = (), kwargs: dict | None = None, *, infer: bool = True
     ) -> fx.Node:
         """Create a ``call_function`` node at the current insert point, with metadata."""
+        self.flush_replacements()
         node = self.graph.call_function(target, args, kwargs or {})
         if infer:
             meta.infer(self.gm, node)
         return node
 
     def call_method(self, name: str, args: tuple = (), kwargs: dict | None = None) -> fx.Node:
+        self.flush_replacements()
         node = self.graph.call_method(name, args, kwargs or {})
         meta.infer(self.gm, node)
         return node
@@ -162,12 +164,14 @@ class RewriteContext:
         fx rebuilds a node's whole argument list for every input it reroutes, so replacing
         the N members read by one ``cat`` of N inputs one by one costs N^2. Within this
         block, a replacement whose ``old`` has exactly one reader, with at least
-        :data:`WIDE_READER_INPUTS` inputs, and whose ``new`` has no reader yet, is recorded
-        and applied when the block ends, when :meth:`erase_if_dead` runs, or before any other
-        replacement. Readers are rebuilt in the order they were last touched, so the graph
-        (users' order included) ends up exactly as with one-by-one replacement. The driver
-        wraps each horizontal :meth:`HorizontalRule.fuse` in it; rules rewrite members with
-        :meth:`replace` and then call :meth:`erase_if_dead`, reading no reader in between.
+        :data:`WIDE_READER_INPUTS` inputs, and whose ``new`` has no reader yet (neither node
+        being part of another held-back replacement) is recorded and applied when the block
+        ends, or before anything else this context does: another replacement, a new node
+        (:meth:`call`, :meth:`call_method`), :meth:`erase_if_dead`. Readers are rebuilt in
+        the order they were last touched, so the graph (users' order included) ends up
+        exactly as with one-by-one replacement. The driver wraps each
+        :meth:`HorizontalRule.fuse` in it; rules replace the members one after the other and
+        then call :meth:`erase_if_dead`, touching the graph in no other way in between.
         """
         self._batching = True
         try:
@@ -178,7 +182,9 @@ class RewriteContext:
 
     def _defer(self, old: fx.Node, new: fx.Node) -> bool:
         """Record ``old -> new`` for :meth:`flush_replacements` if that is exact; see above."""
-        if len(old.users) != 1 or new.users or old in self._deferred_olds:
+        if len(old.users) != 1 or new.users:
+            return False
+        if old in self._deferred_nodes or new in self._deferred_nodes:
             return False
         (reader,) = old.users
         pending = self._deferred.pop(reader, None)
@@ -188,14 +194,14 @@ class RewriteContext:
             pending = {}
         pending[old] = new
         self._deferred[reader] = pending  # (re)inserted last: readers flush in last-touch order
-        self._deferred_olds.add(old)
+        self._deferred_nodes.update((old, new))
         return True
 
     def flush_replacements(self) -> None:
         """Apply the replacements :meth:`batched_replacements` has held back."""
         if not self._deferred:
             return
-        deferred, self._deferred, self._deferred_olds = self._deferred, {}, set()
+        deferred, self._deferred, self._deferred_nodes = self._deferred, {}, set()
         for reader, mapping in deferred.items():
             _reroute(reader, mapping)
 
@@ -260,6 +266,9 @@ class HorizontalRule(Rule):
 
     min_size: ClassVar[int] = 2
     max_size: ClassVar[int | None] = None
+    # Memory-bound ops (norms, pointwise, the GEMMs feeding them): the cost model of
+    # :mod:`fxrec.graph.cost` cuts their sets into chunks that stay in cache on a CPU.
+    memory_bound: ClassVar[bool] = False
 
     def key(self, node: fx.Node, ctx: RewriteContext) -> Hashable | None:
         """The bucket key of a candidate, or None if ``node`` is not one."""
@@ -268,6 +277,14 @@ class HorizontalRule(Rule):
     def refuse_reason(self, group: Sequence[fx.Node], ctx: RewriteContext) -> str | None:
         """Why this set must not be fused (safety, cost model), or None to fuse it."""
         return None
+
+    def partition(self, group: Sequence[fx.Node], ctx: RewriteContext) -> list[list[fx.Node]]:
+        """The sets to fuse out of one independent set (each is refused or fused alone)."""
+        if self.memory_bound:
+            from fxrec.graph.cost import chunks
+
+            return chunks(group, ctx.device_type)
+        return [list(group)]
 
     def fuse(self, group: Sequence[fx.Node], ctx: RewriteContext) -> None:
         """Replace the members by one fused computation (insert before ``group[-1]``)."""

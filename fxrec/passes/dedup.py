@@ -59,8 +59,20 @@ class _Unhashable(Exception):
     pass
 
 
+_ATOMS = (bool, int, float, str, complex, torch.dtype, torch.device, torch.layout)
+_EXACT_ATOMS = frozenset(_ATOMS)
+_EXACT_SEQUENCES = frozenset((list, tuple, fx.immutable_collections.immutable_list))
+
+
 def _freeze(v: Any) -> Any:
     """A hashable, type-exact image of an argument (``1``, ``1.0`` and ``True`` differ)."""
+    t = type(v)  # exact-type shortcuts first: they give what the checks below give
+    if t is fx.Node:
+        return ("node", v)
+    if t in _EXACT_ATOMS:
+        return (t, v)
+    if t in _EXACT_SEQUENCES:
+        return (t.__name__, tuple([_freeze(x) for x in v]))
     if isinstance(v, fx.Node):
         return ("node", v)
     if isinstance(v, (list, tuple)):
@@ -71,7 +83,7 @@ def _freeze(v: Any) -> Any:
         return ("slice", _freeze(v.start), _freeze(v.stop), _freeze(v.step))
     if v is None or v is Ellipsis:
         return v
-    if isinstance(v, (bool, int, float, str, complex, torch.dtype, torch.device, torch.layout)):
+    if isinstance(v, _ATOMS):
         return (type(v), v)
     if isinstance(v, torch.memory_format):
         return (type(v), str(v))

@@ -122,6 +122,7 @@ class FuseLinearSameInput(HorizontalRule):
 
     name = "parallel_linear_same_input"
     family = "linear"
+    memory_bound = True
     candidates = {"call_module": None, "call_function": LINEAR_FUNCTIONS}
 
     def key(self, node: fx.Node, ctx: RewriteContext) -> Hashable | None:
@@ -240,6 +241,7 @@ class FuseLinearBatched(HorizontalRule):
 
     name = "parallel_linear_batched"
     family = "linear"
+    memory_bound = True
     candidates = {"call_module": None, "call_function": LINEAR_FUNCTIONS}
 
     def key(self, node: fx.Node, ctx: RewriteContext) -> Hashable | None:

@@ -242,6 +242,7 @@ class FuseParallelLayerNorm(HorizontalRule):
 
     name = "parallel_layer_norm"
     family = "norms"
+    memory_bound = True
     candidates = {"call_module": None, "call_function": LAYER_NORM_FUNCTIONS}
 
     def key(self, node: fx.Node, ctx: RewriteContext) -> Hashable | None:
@@ -380,6 +381,7 @@ class FuseParallelBatchNorm(HorizontalRule):
 
     name = "parallel_batch_norm"
     family = "norms"
+    memory_bound = True
     candidates = {"call_module": None, "call_function": BATCH_NORM_FUNCTIONS}
 
     def key(self, node: fx.Node, ctx: RewriteContext) -> Hashable | None:

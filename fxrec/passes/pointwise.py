@@ -172,6 +172,7 @@ class FuseParallelUnary(HorizontalRule):
 
     name = "parallel_unary"
     family = "pointwise"
+    memory_bound = True
     candidates = {"call_function": _FN_TO_NAME, "call_method": _METHOD_TO_NAME, "call_module": None}
 
     def key(self, node: fx.Node, ctx: RewriteContext) -> Hashable | None:
@@ -291,6 +292,7 @@ class FuseParallelBinary(HorizontalRule):
 
     name = "parallel_binary"
     family = "pointwise"
+    memory_bound = True
     candidates = {"call_function": _BINARY_FN, "call_method": _BINARY_METHOD}
 
     def key(self, node: fx.Node, ctx: RewriteContext) -> Hashable | None:

@@ -34,10 +34,19 @@ def test_large_members_are_refused_on_cpu_only() -> None:
     assert cost.cache_reason(group, "cuda") is None
 
 
-def test_a_large_group_of_small_members_is_refused_on_cpu() -> None:
+def test_a_large_group_of_small_members_is_cut_into_chunks_on_cpu() -> None:
     group = _nodes(*[(2048, 16)] * 256)  # 32 Ki each, 8 Mi in all
-    reason = cost.cache_reason(group, "cpu")
-    assert reason is not None and "fused" in reason
+    assert cost.cache_reason(group, "cpu") is None
+    parts = cost.chunks(group, "cpu")
+    assert [len(p) for p in parts] == [32] * 8
+    assert [n for p in parts for n in p] == group  # written order, consecutive
+    assert cost.chunks(group, "cuda") == [group]
+    assert cost.chunks(group[:8], "cpu") == [group[:8]]
+
+
+def test_chunks_never_leave_a_lone_member() -> None:
+    group = _nodes(*[(2048, 16)] * 33)
+    assert [len(p) for p in cost.chunks(group, "cpu")] == [33]  # 32 + 1 -> one chunk of 33
 
 
 def test_unknown_sizes_give_no_evidence() -> None:

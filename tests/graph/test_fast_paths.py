@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import operator
 import random
@@ -205,6 +206,37 @@ def test_batched_replacements_end_like_one_by_one(n: int) -> None:
     gm.graph.lint()
 
 
+def _replay(seed: int, batched: bool) -> list[tuple[str, list[str], str]]:
+    """Build a graph of wide and narrow readers, apply random replacements, describe it."""
+    rng = random.Random(seed)
+    g = fx.Graph()
+    x = g.placeholder("x")
+    srcs = [g.call_function(torch.tanh, (x,)) for _ in range(WIDE_READER_INPUTS + 8)]
+    fresh = [g.call_function(torch.sigmoid, (x,)) for _ in range(len(srcs))]
+    readers = []
+    for _ in range(3):
+        picked = rng.sample(srcs, rng.randint(1, len(srcs)))
+        readers.append(g.call_function(torch.cat, ([*picked, x],)))
+    readers.append(g.call_function(torch.add, (rng.choice(srcs), x)))
+    g.output(tuple(readers))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    ctx = RewriteContext(gm, Report(), ParamStore(gm, None))
+    pool = srcs + fresh
+    with ctx.batched_replacements() if batched else contextlib.nullcontext():
+        for _ in range(rng.randint(1, 60)):
+            old, new = rng.sample(pool, 2)
+            if batched:
+                ctx.replace(old, new)
+            else:
+                old.replace_all_uses_with(new)
+    return [(n.name, [u.name for u in n.users], repr(n.args)) for n in g.nodes]
+
+
+@given(st.integers(min_value=0, max_value=100_000))
+def test_batched_replacements_match_eager_ones(seed: int) -> None:
+    assert _replay(seed, batched=True) == _replay(seed, batched=False)
+
+
 def test_snapshot_restores_what_a_copy_would() -> None:
     g = fx.Graph()
     x = g.placeholder("x")
@@ -223,3 +255,70 @@ def test_snapshot_restores_what_a_copy_would() -> None:
     restored = snap.restore()
     assert restored.python_code("self").src == copied.python_code("self").src
     assert [n.meta.get("tag") for n in restored.nodes] == [n.meta.get("tag") for n in copied.nodes]
+
+
+# -- rule candidates -----------------------------------------------------------------------------
+class _Spellings(torch.nn.Module):
+    """Many spellings of what the rules look for, and of what they must leave alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(4)
+        self.lin = torch.nn.Linear(4, 4)
+        self.emb = torch.nn.Embedding(10, 4)
+        self.bag = torch.nn.EmbeddingBag(10, 4)
+        self.bn = torch.nn.BatchNorm1d(4)
+        self.act = torch.nn.ReLU()
+        self.w = torch.nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        a, b = torch.split(x, 4, 1)
+        c, d = x.chunk(2, dim=1)
+        e = torch.unbind(x.view(2, -1, 4), 1)[0]
+        f = x.split([4, 4], 1)[1]
+        g = torch.nn.functional.layer_norm(a, (4,)) + self.norm(b)
+        h = torch.nn.functional.linear(c, self.w) * self.lin(d)
+        i = torch.tanh(e).sigmoid() - torch.relu(f) / self.act(g)
+        j = self.emb(ids[:, 0]) + self.bag(ids) + torch.nn.functional.embedding(ids[:, 1], self.w)
+        k = torch.maximum(h, i).float() + self.bn(j)
+        m = torch.cat([k, x[:, :4], x.narrow(1, 4, 4)], 1)
+        n = torch.stack([a, b], 0).sum(0)
+        return torch.concat([m, n, torch.clamp(k, 0, 1)], dim=1)
+
+
+def _annotated_graphs() -> list[fx.GraphModule]:
+    from fxrec.bench import models
+    from fxrec.graph.capture import capture_symbolic
+
+    out = []
+    for model, inputs in [
+        (_Spellings(), (torch.randn(2, 8), torch.randint(0, 4, (2, 3)))),
+        (models.SyntheticGraph(4), None),
+        (models.ParallelTowers(towers=3), None),
+    ]:
+        gm = capture_symbolic(model)
+        meta.annotate(gm, *(inputs or models.make_inputs(model, 2)))
+        out.append(gm)
+    return out
+
+
+def test_rules_accept_nothing_outside_their_candidates() -> None:
+    """The driver skips nodes outside ``Rule.candidates``; match/key must reject them."""
+    from fxrec.graph.driver import _candidates
+    from fxrec.graph.optimize_graph import resolve_rules
+    from fxrec.graph.rule import HorizontalRule
+
+    rules = [r for r in resolve_rules() if r.candidates is not None]
+    assert rules
+    for gm in _annotated_graphs():
+        ctx = RewriteContext(gm, Report(), ParamStore(gm, None))
+        nodes = list(gm.graph.nodes)
+        for rule in rules:
+            kept = set(_candidates(rule, nodes))
+            for node in nodes:
+                if node in kept:
+                    continue
+                if isinstance(rule, HorizontalRule):
+                    assert rule.key(node, ctx) is None, (rule.name, node.format_node())
+                else:
+                    assert not rule.match(node, ctx), (rule.name, node.format_node())

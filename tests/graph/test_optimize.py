@@ -215,3 +215,37 @@ def test_report_prints() -> None:
     opt = fxrec.optimize(Scales(), _inputs(), rules=[StackedScale])
     text = str(opt.fxrec_report)
     assert "test_stacked_scale" in text and "nodes" in text
+
+
+class _DynamoOnly(nn.Module):
+    """Iterates over a split: symbolic tracing fails, dynamo captures it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norms = nn.ModuleList(nn.LayerNorm(4) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([n(p) for p, n in zip(torch.split(x, 4, 1), self.norms)], 1)
+
+
+def test_many_instances_and_signatures_never_fall_back_to_eager_silently() -> None:
+    """Dynamo caches per code object and runs a frame eagerly past 8 entries; run eagerly,
+    laid-out parameters would lose their gradients. Each capture has a cache of its own."""
+    for i in range(12):  # instances of one class, each on two batch sizes
+        torch.manual_seed(i)
+        model = _DynamoOnly()
+        ref = copy.deepcopy(model)
+        opt = fxrec.optimize(model, (torch.randn(2, 12),))
+        assert opt.fxrec_report.capture == "dynamo"
+        assert opt.fxrec_report.count("parallel_layer_norm") == 1
+        sgd = torch.optim.SGD(opt.parameters(), lr=0.5)
+        sgd_ref = torch.optim.SGD(ref.parameters(), lr=0.5)
+        for batch in (2, 5, 2):
+            x = torch.randn(batch, 12)
+            for m, o in ((opt, sgd), (ref, sgd_ref)):
+                o.zero_grad()
+                (m(x) * torch.arange(12.0)).sum().backward()
+                o.step()
+            for (k, v), (k2, v2) in zip(opt.state_dict().items(), ref.state_dict().items()):
+                assert k == k2
+                torch.testing.assert_close(v, v2, msg=f"instance {i}, {k}")
