@@ -65,7 +65,7 @@ def measure(nodes: int, repeats: int = 1, profile: bool = False) -> dict[str, An
             "nodes": rep.nodes_before,
             "nodes_after": rep.nodes_after,
             "passes": rep.passes,
-            "fusions": rep.count(),
+            "fusions": rep.count() - rep.count("dead_code"),  # rewrites, not clean-up
             "pass_s": rep.seconds,
             "optimize_s": wall,
             "capture": rep.capture,

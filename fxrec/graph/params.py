@@ -118,18 +118,7 @@ class ParamStore:
     def _owned_tensor(self, node: fx.Node) -> torch.Tensor | None:
         if node.op != "get_attr":
             return None
-        t = self._tensors.get(node.target)
-        if t is not None:
-            return t
-        obj: object = self.gm
-        for part in node.target.split("."):
-            obj = getattr(obj, part, None)
-            if obj is None:
-                return None
-        if not isinstance(obj, torch.Tensor):
-            return None
-        self._tensors[node.target] = obj
-        return obj
+        return self.target_tensor(node.target)
 
     def can_lay_out(self, nodes: Sequence[fx.Node]) -> bool:
         """True if these parameter nodes can share one flat tensor (no in-graph gather)."""
@@ -157,25 +146,50 @@ class ParamStore:
         same members were laid out before, gathered in the graph. Insert point: the caller's
         current ``graph.inserting_*`` context.
         """
-        if self.owner is not None:
-            ts = [self._owned_tensor(n) for n in nodes]
-            if all(t is not None for t in ts):
-                name = self.owner.lookup(how, ts)  # type: ignore[arg-type]
-                if name is None and self._can_lay_out(ts):
-                    name = self.owner.add(how, ts)  # type: ignore[arg-type]
-                if name is not None:
-                    if not hasattr(self.gm, OWNER_ATTR):
-                        self.gm.add_submodule(OWNER_ATTR, self.owner)
-                    node = self.gm.graph.get_attr(f"{OWNER_ATTR}.{name}")
-                    from fxrec.graph.meta import set_info
-
-                    set_info(node, getattr(self.owner, name))
-                    return node
+        node = self.laid_out_node([self._owned_tensor(n) for n in nodes], how)
+        if node is not None:
+            return node
         fn = torch.stack if how == "stack" else torch.cat  # gathered in-graph
         node = self.gm.graph.call_function(fn, (list(nodes),))
         from fxrec.graph.meta import infer
 
         infer(self.gm, node)
+        return node
+
+    def target_tensor(self, target: str) -> torch.Tensor | None:
+        """The model tensor at ``target`` (a qualified attribute name), else None."""
+        t = self._tensors.get(target)
+        if t is not None:
+            return t
+        obj: object = self.gm
+        for part in target.split("."):
+            obj = getattr(obj, part, None)
+            if obj is None:
+                return None
+        if not isinstance(obj, torch.Tensor):
+            return None
+        self._tensors[target] = obj
+        return obj
+
+    def laid_out_node(self, ts: Sequence[torch.Tensor | None], how: str) -> fx.Node | None:
+        """A ``get_attr`` of one flat tensor holding ``ts`` laid out ``how``, or None.
+
+        Reuses an existing layout of exactly these tensors, or creates one when they can be
+        laid out (model parameters this graph owns, not shared with another layout).
+        """
+        if self.owner is None or any(t is None for t in ts):
+            return None
+        name = self.owner.lookup(how, ts)  # type: ignore[arg-type]
+        if name is None and self._can_lay_out(ts):  # type: ignore[arg-type]
+            name = self.owner.add(how, ts)  # type: ignore[arg-type]
+        if name is None:
+            return None
+        if not hasattr(self.gm, OWNER_ATTR):
+            self.gm.add_submodule(OWNER_ATTR, self.owner)
+        node = self.gm.graph.get_attr(f"{OWNER_ATTR}.{name}")
+        from fxrec.graph.meta import set_info
+
+        set_info(node, getattr(self.owner, name))
         return node
 
     def rebind(self) -> int:

@@ -75,8 +75,22 @@ def param_node(ctx: RewriteContext, ref: Ref) -> fx.Node:
 
 
 def combined(ctx: RewriteContext, refs: Sequence[Ref], how: str) -> fx.Node:
-    """One node holding ``refs`` laid out together (``how``: "cat" or "stack")."""
+    """One node holding ``refs`` laid out together (``how``: "cat" or "stack").
+
+    Laid out once, that is one ``get_attr`` of a flat tensor: no per-member node is made.
+    """
+    node = ctx.params.laid_out_node([_ref_tensor(ctx, r) for r in refs], how)
+    if node is not None:
+        return node
     return ctx.params.combined([param_node(ctx, r) for r in refs], how)
+
+
+def _ref_tensor(ctx: RewriteContext, ref: Ref) -> torch.Tensor | None:
+    if isinstance(ref, str):
+        return ctx.params.target_tensor(ref)
+    if isinstance(ref, fx.Node) and ref.op == "get_attr":
+        return ctx.params.target_tensor(ref.target)
+    return None
 
 
 def can_lay_out(ctx: RewriteContext, refs: Sequence[Ref]) -> bool:

@@ -49,7 +49,7 @@ from torch import nn
 from fxrec.graph import meta
 from fxrec.graph.effects import written_in_place
 from fxrec.graph.pieces import piece_of
-from fxrec.graph.refs import gather_cost_reason, param_info, param_node
+from fxrec.graph.refs import combined, gather_cost_reason, param_info
 from fxrec.graph.rule import HorizontalRule, RewriteContext, register
 
 logger = logging.getLogger(__name__)
@@ -345,7 +345,7 @@ class FuseParallelLookups(HorizontalRule):
         for t in tables:
             starts.append(acc)
             acc += param_info(ctx, t).shape[0]  # type: ignore[union-attr]
-        w = ctx.params.combined([param_node(ctx, t) for t in tables], "cat")
+        w = combined(ctx, tables, "cat")
         return w, [starts[p] for p in pos]
 
     def _lookup(
