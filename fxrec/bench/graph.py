@@ -81,26 +81,6 @@ def _loss(out: Any) -> torch.Tensor:
     return torch.stack(terms).sum()
 
 
-def _param_grads(model: nn.Module, opt: fxrec.OptimizedModule) -> dict[str, torch.Tensor | None]:
-    """Gradient of each of ``model``'s parameters, by name, read through fused layouts."""
-    where = opt.fxrec_fused.locate()
-    grads: dict[str, torch.Tensor | None] = {}
-    for name, p in model.named_parameters():
-        loc = where.get(id(p))
-        if loc is None:
-            grads[name] = p.grad
-            continue
-        flat_name, how, m = loc
-        g = getattr(opt.fxrec_fused, flat_name).grad
-        if g is None:
-            grads[name] = None
-        elif how == "stack":
-            grads[name] = g[m.index]
-        else:
-            grads[name] = g.narrow(0, m.offset, p.shape[0])
-    return grads
-
-
 def _close(what: str, got: torch.Tensor | None, want: torch.Tensor | None, case: str) -> None:
     if got is not None:
         got = got.detach()
@@ -152,7 +132,7 @@ def check_equivalence(
     _loss(want).backward()
     _loss(got).backward()
     ref = dict(model.named_parameters())
-    for name, g in _param_grads(opt.model, opt).items():
+    for name, g in opt.fxrec_fused.grads(opt.model).items():
         _close(f"grad of {name}", g, ref[name].grad, case)
     model.zero_grad(set_to_none=True)
     opt.zero_grad(set_to_none=True)

@@ -269,23 +269,9 @@ def _loss(out: Any) -> torch.Tensor:
 
 def _grads(model: nn.Module, opt: Any = None) -> dict[str, torch.Tensor | None]:
     """Each of ``model``'s parameter gradients, read through fxrec's fused layouts if any."""
-    where = opt.fxrec_fused.locate() if opt is not None else {}
-    out: dict[str, torch.Tensor | None] = {}
-    for name, p in model.named_parameters():
-        loc = where.get(id(p))
-        if loc is None:
-            out[name] = p.grad
-            continue
-        flat, how, m = loc
-        g = getattr(opt.fxrec_fused, flat).grad
-        out[name] = (
-            None
-            if g is None
-            else g[m.index]
-            if how == "stack"
-            else g.narrow(0, m.offset, p.shape[0])
-        )
-    return out
+    if opt is None:
+        return {name: p.grad for name, p in model.named_parameters()}
+    return opt.fxrec_fused.grads(model)
 
 
 def _inductor(mode: str) -> Callable[..., Any]:

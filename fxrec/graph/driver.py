@@ -88,7 +88,7 @@ def _run_horizontal(
             for part in rule.partition(group, ctx):
                 if len(part) < rule.min_size:
                     continue
-                reason = rule.refuse_reason(part, ctx)
+                reason = rule.cost_reason(part, ctx) or rule.refuse_reason(part, ctx)
                 if reason is not None:
                     rule.refuse(ctx, part, reason)
                     continue

@@ -60,6 +60,28 @@ class FusedParameters(nn.Module):
             id(m.tensor): (name, how, m) for name, (how, ms) in self._members.items() for m in ms
         }
 
+    def grads(self, model: nn.Module) -> dict[str, torch.Tensor | None]:
+        """Each of ``model``'s parameter gradients by name, read through the flat layouts.
+
+        A fused member's gradient lives in its flat parameter's ``.grad`` (the leaf the
+        optimizer holds); this returns the member's slice of it, as a view, so per-parameter
+        code (clipping, logging, tests) keeps the original names and shapes.
+        """
+        where = self.locate()
+        out: dict[str, torch.Tensor | None] = {}
+        for name, p in model.named_parameters():
+            loc = where.get(id(p))
+            if loc is None:
+                out[name] = p.grad
+                continue
+            flat, how, m = loc
+            g = getattr(self, flat).grad
+            if g is None:
+                out[name] = None
+            else:
+                out[name] = g[m.index] if how == "stack" else g.narrow(0, m.offset, p.shape[0])
+        return out
+
     def lookup(self, how: str, tensors: Sequence[torch.Tensor]) -> str | None:
         return self._by_ids.get((how, tuple(id(t) for t in tensors)))
 

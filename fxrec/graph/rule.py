@@ -286,6 +286,14 @@ class HorizontalRule(Rule):
             return chunks(group, ctx.device_type)
         return [list(group)]
 
+    def cost_reason(self, group: Sequence[fx.Node], ctx: RewriteContext) -> str | None:
+        """Why the device's cost model says fusing ``group`` would be slower, or None."""
+        if self.memory_bound:
+            from fxrec.graph.cost import cache_reason
+
+            return cache_reason(group, ctx.device_type)
+        return None
+
     def fuse(self, group: Sequence[fx.Node], ctx: RewriteContext) -> None:
         """Replace the members by one fused computation (insert before ``group[-1]``)."""
         raise NotImplementedError

@@ -44,7 +44,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from fxrec.graph import meta
-from fxrec.graph.cost import cache_reason
 from fxrec.graph.effects import written_in_place
 from fxrec.graph.horizontal import Gathered, scatter
 from fxrec.graph.pieces import piece_of
@@ -136,9 +135,6 @@ class FuseLinearSameInput(HorizontalRule):
         return ("linear_same_input", lc.input, in_f, has_bias, ti.dtype, ti.device)
 
     def refuse_reason(self, group: Sequence[fx.Node], ctx: RewriteContext) -> str | None:
-        slower = cache_reason(group, ctx.device_type)
-        if slower is not None:
-            return slower
         if any(written_in_place(n) for n in group):
             return "a member's result is written in place: it must stay its own tensor"
         lcs: list[LinearCall] = [linear_call(n, ctx) for n in group]  # type: ignore[misc]
@@ -257,9 +253,6 @@ class FuseLinearBatched(HorizontalRule):
         return ("linear_batched", in_f, out_f, has_bias, ti.shape, ti.dtype, ti.device)
 
     def refuse_reason(self, group: Sequence[fx.Node], ctx: RewriteContext) -> str | None:
-        slower = cache_reason(group, ctx.device_type)
-        if slower is not None:
-            return slower
         if any(written_in_place(n) for n in group):
             return "a member's result is written in place: it must stay its own tensor"
         lcs: list[LinearCall] = [linear_call(n, ctx) for n in group]  # type: ignore[misc]

@@ -42,7 +42,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from fxrec.graph import meta
-from fxrec.graph.cost import cache_reason
 from fxrec.graph.horizontal import Gathered, gather, scatter
 from fxrec.graph.pieces import piece_of
 from fxrec.graph.refs import Ref, can_lay_out, combined, laid_out, param_info, param_node, ref_key
@@ -261,9 +260,6 @@ class FuseParallelLayerNorm(HorizontalRule):
         return ("layer_norm", ln.normalized_shape, ln.eps, ti.shape, ti.dtype, ti.device, w, b)
 
     def refuse_reason(self, group: Sequence[fx.Node], ctx: RewriteContext) -> str | None:
-        slower = cache_reason(group, ctx.device_type)
-        if slower is not None:
-            return slower
         lns = [layer_norm_call(n, ctx) for n in group]
         k = len(lns[0].normalized_shape)  # type: ignore[union-attr]
         if _layout([ln.input for ln in lns], k) is None and len(group) < MIN_SEPARATE_MEMBERS:  # type: ignore[union-attr]
@@ -399,9 +395,6 @@ class FuseParallelBatchNorm(HorizontalRule):
         return ("batch_norm", bn.training, bn.momentum, bn.eps, dtypes, shape, ti.dtype, ti.device)
 
     def refuse_reason(self, group: Sequence[fx.Node], ctx: RewriteContext) -> str | None:
-        slower = cache_reason(group, ctx.device_type)
-        if slower is not None:
-            return slower
         bns: list[BatchNormCall] = [batch_norm_call(n, ctx) for n in group]  # type: ignore[misc]
         for field in ("running_mean", "running_var", "weight", "bias", "counter"):
             refs = [getattr(b, field) for b in bns]

@@ -20,7 +20,6 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from fxrec.graph.cost import cache_reason
 from fxrec.graph.effects import mutates_input, written_in_place
 from fxrec.graph.horizontal import Gathered, gather, scatter
 from fxrec.graph.rule import HorizontalRule, RewriteContext, register
@@ -186,9 +185,6 @@ class FuseParallelUnary(HorizontalRule):
         return (op.name, op.extra, ti.dtype, ti.device, ti.ndim, ti.shape[:-1], mutates_input(node))
 
     def refuse_reason(self, group: Sequence[fx.Node], ctx: RewriteContext) -> str | None:
-        slower = cache_reason(group, ctx.device_type)
-        if slower is not None:
-            return slower
         if mutates_input(group[0]):
             return "in-place op: fusing would lose the write to each input"
         if any(written_in_place(n) for n in group):
@@ -309,9 +305,6 @@ class FuseParallelBinary(HorizontalRule):
         return ("binary", op.name, op.extra, kinds, oi.dtype, oi.device, oi.ndim, oi.shape[:-1])
 
     def refuse_reason(self, group: Sequence[fx.Node], ctx: RewriteContext) -> str | None:
-        slower = cache_reason(group, ctx.device_type)
-        if slower is not None:
-            return slower
         if any(written_in_place(n) for n in group):
             return "a member's result is written in place: it must stay its own tensor"
         from fxrec.graph.pieces import contiguous_range
