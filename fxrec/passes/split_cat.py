@@ -93,6 +93,14 @@ def _static_dim(node: fx.Node, dim: int) -> tuple[meta.TensorInfo, int] | None:
     return ti, d
 
 
+def _repoint(item: fx.Node, src: fx.Node, i: int) -> None:
+    """Make ``item`` read piece ``i`` of ``src`` (keeping its users), with metadata."""
+    item.args = (src, i)
+    ti = meta.info(src)
+    if isinstance(ti, (list, tuple)) and i < len(ti):
+        meta.set_info(item, ti[i])
+
+
 def _getitem(ctx: RewriteContext, src: fx.Node, i: int) -> fx.Node:
     item = ctx.graph.call_function(operator.getitem, (src, i))
     ti = meta.info(src)
@@ -251,37 +259,60 @@ class MergeSplits(LocalRule):
     candidates = SPLIT_LIKE
 
     def match(self, node: fx.Node, ctx: RewriteContext) -> Any:
-        inner = split_sizes(node)
-        if inner is None or inner[3]:
+        if _inner_split(node) is None:
             return None
-        outer_piece = piece_of(inner[0])
-        if outer_piece is None or outer_piece.squeezed or outer_piece.dim != inner[1]:
-            return None
-        inner_items = _items(node)
+        outer_piece = piece_of(node.args[0])  # type: ignore[arg-type]
+        assert outer_piece is not None
         outer_items = _items(outer_piece.source)
-        if inner_items is None or outer_items is None:
+        if outer_items is None:
             return None
-        outer = split_sizes(outer_piece.source)
-        assert outer is not None
-        return outer_piece, outer[2], inner[2], inner_items, outer_items
+        return outer_piece.source, outer_items
 
     def rewrite(self, node: fx.Node, match: Any, ctx: RewriteContext) -> None:
-        piece, outer_sizes, inner_sizes, inner_items, outer_items = match
-        i = piece.index
-        sizes = outer_sizes[:i] + inner_sizes + outer_sizes[i + 1 :]
-        with ctx.graph.inserting_after(piece.source):  # before every piece of either split
-            split = ctx.call(torch.split, (piece.base, sizes, piece.dim))
-        with ctx.graph.inserting_after(split):
-            new_items = [_getitem(ctx, split, k) for k in reversed(range(len(sizes)))][::-1]
-        shift = len(inner_sizes) - 1
-        for item in inner_items:
-            ctx.replace(item, new_items[i + item.args[1] % len(inner_sizes)])
+        """Merge every inner split of this outer split at once: each item is re-pointed once.
+
+        Merged one inner split at a time, a split into N pieces whose pieces are split again
+        would rebuild its N items N times.
+        """
+        source, outer_items = match
+        base, dim, outer_sizes, _ = split_sizes(source)  # type: ignore[misc]
+        inner: dict[int, tuple[fx.Node, list[int], list[fx.Node]]] = {}
         for item in outer_items:
             k = item.args[1] % len(outer_sizes)
-            if k != i:
-                ctx.replace(item, new_items[k if k < i else k + shift])
-        ctx.erase_if_dead(inner_items + outer_items + new_items)
-        self.fired(ctx, [piece.source, node], f"split sizes {sizes}")
+            for u in item.users:
+                found = _inner_split(u)
+                if found is not None and k not in inner and found[0] == dim:
+                    inner[k] = (u, found[1], found[2])
+        sizes: list[int] = []
+        first: dict[int, int] = {}  # outer piece -> index of its first piece in ``sizes``
+        for k, n in enumerate(outer_sizes):
+            first[k] = len(sizes)
+            sizes.extend(inner[k][1] if k in inner else [n])
+        with ctx.graph.inserting_after(source):  # before every piece of either split
+            split = ctx.call(torch.split, (base, sizes, dim))
+        for k, (_, inner_sizes, items) in inner.items():
+            for item in items:
+                _repoint(item, split, first[k] + item.args[1] % len(inner_sizes))
+        for item in outer_items:
+            k = item.args[1] % len(outer_sizes)
+            if k not in inner:
+                _repoint(item, split, first[k])
+        ctx.erase_if_dead([u for u, _, _ in inner.values()] + [source])
+        self.fired(ctx, [source, *(u for u, _, _ in inner.values())], f"{len(inner)} inner splits")
+
+
+def _inner_split(node: fx.Node) -> tuple[int, list[int], list[fx.Node]] | None:
+    """(dim, sizes, items) if ``node`` splits a piece of another split along the same dim."""
+    inner = split_sizes(node)
+    if inner is None or inner[3]:
+        return None
+    outer_piece = piece_of(inner[0])
+    if outer_piece is None or outer_piece.squeezed or outer_piece.dim != inner[1]:
+        return None
+    items = _items(node)
+    if items is None or split_sizes(outer_piece.source) is None:
+        return None
+    return inner[1], list(inner[2]), items
 
 
 # -- cat / split cancellation ------------------------------------------------------------------
