@@ -210,6 +210,8 @@ class OptimizedModule(nn.Module):
 
 def _own_code(model: nn.Module) -> Any:
     """``model.forward`` bound to a private copy of its code object (see ``_dynamo_runner``)."""
+    if model._forward_hooks or model._forward_pre_hooks:
+        return model  # hooks run in the module's __call__: compile the module, hooks included
     fwd = model.forward
     fn = getattr(fwd, "__func__", None)
     if not isinstance(fn, types.FunctionType) or getattr(fwd, "__self__", None) is not model:

@@ -249,3 +249,16 @@ def test_many_instances_and_signatures_never_fall_back_to_eager_silently() -> No
             for (k, v), (k2, v2) in zip(opt.state_dict().items(), ref.state_dict().items()):
                 assert k == k2
                 torch.testing.assert_close(v, v2, msg=f"instance {i}, {k}")
+
+
+def test_forward_hooks_of_a_dynamo_captured_model_still_run() -> None:
+    model = _DynamoOnly()
+    calls: list[int] = []
+    model.register_forward_hook(lambda m, args, out: calls.append(1))
+    opt = fxrec.optimize(model, (torch.randn(2, 12),))
+    calls.clear()
+    x = torch.randn(3, 12)
+    got = opt(x)
+    assert calls == [1]  # the hook ran once, inside the optimized call
+    calls.clear()
+    torch.testing.assert_close(got, model(x))
