@@ -354,4 +354,33 @@ def optimize(
                 )
                 opt._compiled = model
                 opt._runners[key] = model
+        opt.fxrec_report.kernels_before, opt.fxrec_report.kernels_after = _kernels(
+            model, opt, example_inputs
+        )
     return opt
+
+
+def _kernels(model: nn.Module, opt: OptimizedModule, args: tuple) -> tuple[Any, Any]:
+    """(forward, backward) kernels of one training step of ``model`` and of ``opt``.
+
+    Runs each once on the example inputs without leaving a trace: gradients, buffers and the
+    RNG stream are restored. Counting is best effort (None when the model's outputs have no
+    gradient to run backward from, or a step fails).
+    """
+    from torch.utils._pytree import tree_leaves
+
+    from fxrec.measure import count_kernels
+
+    tensors = [*opt.parameters(), *model.parameters()]
+    tensors += [t for t in tree_leaves(args) if isinstance(t, torch.Tensor) and t.requires_grad]
+    saved = [(t, t.grad) for t in tensors]
+    try:
+        with _preserved_state(model):
+            counts = [count_kernels(m, *args) for m in (model, opt)]
+        return tuple((c.forward, c.backward) for c in counts)  # type: ignore[return-value]
+    except Exception as exc:  # a report detail must never make optimize fail
+        logger.debug("fxrec: kernel counts for the report failed: %s", exc)
+        return None, None
+    finally:
+        for t, g in saved:
+            t.grad = g

@@ -78,10 +78,13 @@ class Report:
             lines.append(f"  kernels forward {fb} -> {fa}, backward {bb} -> {ba}")
         by_rule = Counter(f.rule for f in self.firings)
         sizes: Counter[str] = Counter()
+        where: dict[str, list[str]] = {}
         for f in self.firings:
             sizes[f.rule] += len(f.nodes)
+            where.setdefault(f.rule, []).extend(f.nodes[: 3 - len(where.get(f.rule, []))])
         for rule, n in sorted(by_rule.items()):
-            lines.append(f"  fired  {rule:<28} x{n:<4} ({sizes[rule]} nodes)")
+            names = ", ".join(where[rule]) + (", ..." if sizes[rule] > len(where[rule]) else "")
+            lines.append(f"  fired  {rule:<28} x{n:<4} ({sizes[rule]} nodes: {names})")
         reasons = Counter((r.rule, r.reason) for r in self.refusals)
         for (rule, reason), n in sorted(reasons.items()):
             lines.append(f"  left   {rule:<28} x{n:<4} {reason}")

@@ -262,3 +262,17 @@ def test_forward_hooks_of_a_dynamo_captured_model_still_run() -> None:
     assert calls == [1]  # the hook ran once, inside the optimized call
     calls.clear()
     torch.testing.assert_close(got, model(x))
+
+
+def test_report_counts_kernels_without_side_effects() -> None:
+    model = _DynamoOnly()
+    x = torch.randn(2, 12, requires_grad=True)
+    opt = fxrec.optimize(model, (x,))
+    rep = opt.fxrec_report
+    # forward: 3 layer_norms + the cat; backward: the loss's ones_like, 3 layer_norm
+    # backwards, the split's cat
+    assert rep.kernels_before == (4, 5)
+    assert rep.kernels_after is not None and rep.kernels_after[0] < rep.kernels_before[0]
+    assert "kernels forward 4 -> " in str(rep)
+    assert x.grad is None and all(p.grad is None for p in opt.parameters())
+    assert all(p.grad is None for p in model.parameters())
