@@ -22,3 +22,9 @@ settings.load_profile("fxrec")
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _strict(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A failing rule raises (``FXREC_STRICT=1``) instead of leaving its graph unoptimized."""
+    monkeypatch.setenv("FXREC_STRICT", "1")

@@ -76,8 +76,7 @@ def chunks(group: Sequence[fx.Node], device_type: str) -> list[list[fx.Node]]:
     sizes = [_numel(n) for n in group]
     if any(s is None for s in sizes) or sum(sizes) <= CPU_GROUP_ELEMS:  # type: ignore[arg-type]
         return [list(group)]
-    per = max(1, CPU_GROUP_ELEMS // max(sizes))  # type: ignore[type-var]
-    per = max(2, per)
+    per = max(2, CPU_GROUP_ELEMS // max(sizes))  # type: ignore[type-var]
     ordered = sorted(group, key=meta.program_order)
     parts = [ordered[i : i + per] for i in range(0, len(ordered), per)]
     if len(parts) > 1 and len(parts[-1]) < 2:  # a lone member: give it to the chunk before

@@ -142,16 +142,9 @@ class ParamStore:
             return None
         return self.target_tensor(node.target)
 
-    def can_lay_out(self, nodes: Sequence[fx.Node]) -> bool:
-        """True if these parameter nodes can share one flat tensor (no in-graph gather)."""
-        if self.owner is None:
-            return False
-        return self._can_lay_out([self._owned_tensor(n) for n in nodes])
-
-    def _can_lay_out(self, ts: Sequence[torch.Tensor | None]) -> bool:
-        """:meth:`can_lay_out` for the nodes' tensors (None: not a tensor of the model)."""
-        assert self.owner is not None
-        if any(t is None for t in ts):
+    def can_lay_out(self, ts: Sequence[torch.Tensor | None]) -> bool:
+        """Can these model tensors (None: not one) become views of one new flat tensor?"""
+        if self.owner is None or any(t is None for t in ts):
             return False
         if len({id(t) for t in ts}) != len(ts):
             return False  # a parameter shared between members: refuse the layout
@@ -193,6 +186,12 @@ class ParamStore:
         self._tensors[target] = obj
         return obj
 
+    def is_laid_out(self, ts: Sequence[torch.Tensor | None], how: str) -> bool:
+        """Are these exact tensors already one flat tensor laid out ``how``?"""
+        if self.owner is None or any(t is None for t in ts):
+            return False
+        return self.owner.lookup(how, ts) is not None  # type: ignore[arg-type]
+
     def laid_out_node(self, ts: Sequence[torch.Tensor | None], how: str) -> fx.Node | None:
         """A ``get_attr`` of one flat tensor holding ``ts`` laid out ``how``, or None.
 
@@ -202,7 +201,7 @@ class ParamStore:
         if self.owner is None or any(t is None for t in ts):
             return None
         name = self.owner.lookup(how, ts)  # type: ignore[arg-type]
-        if name is None and self._can_lay_out(ts):  # type: ignore[arg-type]
+        if name is None and self.can_lay_out(ts):  # type: ignore[arg-type]
             name = self.owner.add(how, ts)  # type: ignore[arg-type]
         if name is None:
             return None

@@ -9,7 +9,6 @@ and lay a set of them out once (:class:`fxrec.graph.params.ParamStore`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -25,8 +24,6 @@ __all__ = [
     "param_info",
     "param_node",
     "combined",
-    "can_lay_out",
-    "laid_out",
     "laid_out_or_can_be",
     "gather_cost_reason",
 ]
@@ -43,13 +40,9 @@ def ref_key(ref: Ref) -> Any:
 def param_tensor(ctx: RewriteContext, ref: Ref) -> torch.Tensor | None:
     """The model tensor a reference names (a module attribute or a ``get_attr``), else None."""
     if isinstance(ref, str):
-        obj: Any = ctx.gm
-        for part in ref.split("."):
-            obj = getattr(obj, part, None)
-        return obj if isinstance(obj, torch.Tensor) else None
-    if isinstance(ref, fx.Node):
-        t = ctx.attr(ref)
-        return t if isinstance(t, torch.Tensor) else None
+        return ctx.params.target_tensor(ref)
+    if isinstance(ref, fx.Node) and ref.op == "get_attr":
+        return ctx.params.target_tensor(ref.target)
     return None
 
 
@@ -79,42 +72,16 @@ def combined(ctx: RewriteContext, refs: Sequence[Ref], how: str) -> fx.Node:
 
     Laid out once, that is one ``get_attr`` of a flat tensor: no per-member node is made.
     """
-    node = ctx.params.laid_out_node([_ref_tensor(ctx, r) for r in refs], how)
+    node = ctx.params.laid_out_node([param_tensor(ctx, r) for r in refs], how)
     if node is not None:
         return node
     return ctx.params.combined([param_node(ctx, r) for r in refs], how)
 
 
-def _ref_tensor(ctx: RewriteContext, ref: Ref) -> torch.Tensor | None:
-    if isinstance(ref, str):
-        return ctx.params.target_tensor(ref)
-    if isinstance(ref, fx.Node) and ref.op == "get_attr":
-        return ctx.params.target_tensor(ref.target)
-    return None
-
-
-def can_lay_out(ctx: RewriteContext, refs: Sequence[Ref]) -> bool:
-    """Could ``refs`` become views of one new flat tensor (no per-step gather)?"""
-    stand_ins = [
-        SimpleNamespace(op="get_attr", target=r) if isinstance(r, str) else r for r in refs
-    ]
-    return ctx.params.can_lay_out(stand_ins)  # type: ignore[arg-type]
-
-
-def laid_out(ctx: RewriteContext, refs: Sequence[Ref], how: str) -> bool:
-    """Are ``refs`` already views of one flat tensor laid out ``how``?"""
-    ts = [param_tensor(ctx, r) for r in refs]
-    if ctx.params.owner is None or any(t is None for t in ts):
-        return False
-    return ctx.params.owner.lookup(how, ts) is not None  # type: ignore[arg-type]
-
-
 def laid_out_or_can_be(ctx: RewriteContext, refs: Sequence[Ref], how: str) -> bool:
     """True when ``combined(ctx, refs, how)`` reads one flat tensor (no per-step gather)."""
     ts = [param_tensor(ctx, r) for r in refs]
-    if ctx.params.owner is None or any(t is None for t in ts):
-        return False
-    return laid_out(ctx, refs, how) or can_lay_out(ctx, refs)
+    return ctx.params.is_laid_out(ts, how) or ctx.params.can_lay_out(ts)
 
 
 def gather_cost_reason(

@@ -25,6 +25,7 @@ import torch.fx as fx
 from torch import nn
 
 from fxrec.graph import meta
+from fxrec.graph.cost import cache_reason, chunks
 from fxrec.graph.params import ParamStore
 from fxrec.graph.report import Report
 
@@ -113,15 +114,6 @@ class RewriteContext:
         if mod is None:  # rules add submodules during a run but never replace one
             mod = self._modules[node.target] = self.gm.get_submodule(node.target)
         return mod
-
-    def attr(self, node: fx.Node) -> Any:
-        """The object a ``get_attr`` node reads, else None."""
-        if node.op != "get_attr":
-            return None
-        obj: Any = self.gm
-        for part in node.target.split("."):
-            obj = getattr(obj, part, None)
-        return obj
 
     def info(self, node: Any) -> meta.TensorInfo | None:
         ti = meta.info(node)
@@ -281,16 +273,12 @@ class HorizontalRule(Rule):
     def partition(self, group: Sequence[fx.Node], ctx: RewriteContext) -> list[list[fx.Node]]:
         """The sets to fuse out of one independent set (each is refused or fused alone)."""
         if self.memory_bound:
-            from fxrec.graph.cost import chunks
-
             return chunks(group, ctx.device_type)
         return [list(group)]
 
     def cost_reason(self, group: Sequence[fx.Node], ctx: RewriteContext) -> str | None:
         """Why the device's cost model says fusing ``group`` would be slower, or None."""
         if self.memory_bound:
-            from fxrec.graph.cost import cache_reason
-
             return cache_reason(group, ctx.device_type)
         return None
 

@@ -114,6 +114,15 @@ def _signature(ctx: RewriteContext, lc: LinearCall) -> tuple[Any, ...] | None:
     return in_f, out_f, lc.bias is not None, ti
 
 
+def _linear_signature(node: fx.Node, ctx: RewriteContext) -> tuple[LinearCall, tuple] | None:
+    """A Linear node's call and signature (both rules' bucket keys start from these)."""
+    lc = linear_call(node, ctx)
+    if lc is None:
+        return None
+    sig = _signature(ctx, lc)
+    return None if sig is None else (lc, sig)
+
+
 # -- same input --------------------------------------------------------------------------------
 @register
 class FuseLinearSameInput(HorizontalRule):
@@ -125,13 +134,10 @@ class FuseLinearSameInput(HorizontalRule):
     candidates = {"call_module": None, "call_function": LINEAR_FUNCTIONS}
 
     def key(self, node: fx.Node, ctx: RewriteContext) -> Hashable | None:
-        lc = linear_call(node, ctx)
-        if lc is None:
+        found = _linear_signature(node, ctx)
+        if found is None:
             return None
-        sig = _signature(ctx, lc)
-        if sig is None:
-            return None
-        in_f, _, has_bias, ti = sig
+        lc, (in_f, _, has_bias, ti) = found
         return ("linear_same_input", lc.input, in_f, has_bias, ti.dtype, ti.device)
 
     def refuse_reason(self, group: Sequence[fx.Node], ctx: RewriteContext) -> str | None:
@@ -241,13 +247,10 @@ class FuseLinearBatched(HorizontalRule):
     candidates = {"call_module": None, "call_function": LINEAR_FUNCTIONS}
 
     def key(self, node: fx.Node, ctx: RewriteContext) -> Hashable | None:
-        lc = linear_call(node, ctx)
-        if lc is None:
+        found = _linear_signature(node, ctx)
+        if found is None:
             return None
-        sig = _signature(ctx, lc)
-        if sig is None:
-            return None
-        in_f, out_f, has_bias, ti = sig
+        _, (in_f, out_f, has_bias, ti) = found
         if ti.ndim != 2:
             return None
         return ("linear_batched", in_f, out_f, has_bias, ti.shape, ti.dtype, ti.device)

@@ -44,7 +44,7 @@ from torch import nn
 from fxrec.graph import meta
 from fxrec.graph.horizontal import Gathered, gather, scatter
 from fxrec.graph.pieces import piece_of
-from fxrec.graph.refs import Ref, can_lay_out, combined, laid_out, param_info, param_node, ref_key
+from fxrec.graph.refs import Ref, combined, laid_out_or_can_be, param_info, param_node, ref_key
 from fxrec.graph.rule import HorizontalRule, RewriteContext, register
 
 logger = logging.getLogger(__name__)
@@ -403,7 +403,7 @@ class FuseParallelBatchNorm(HorizontalRule):
             if not _distinct(refs):
                 return f"members share {field}: one fused update cannot repeat the sequential ones"
             stats = field in ("running_mean", "running_var") and bns[0].training
-            if stats and not (can_lay_out(ctx, refs) or laid_out(ctx, refs, "cat")):
+            if stats and not laid_out_or_can_be(ctx, refs, "cat"):
                 return (
                     f"{field} cannot be laid out once (keep_params, graph inputs or already "
                     "fused): the fused update would not reach the members' buffers"
@@ -435,7 +435,7 @@ class FuseParallelBatchNorm(HorizontalRule):
         )
         if first.counter is not None:
             counters = [b.counter for b in bns]
-            if can_lay_out(ctx, counters) or laid_out(ctx, counters, "stack"):
+            if laid_out_or_can_be(ctx, counters, "stack"):
                 ctx.call_method("add_", (combined(ctx, counters, "stack"), 1))
             else:
                 for c in counters:

@@ -22,6 +22,7 @@ from torch import nn
 
 from fxrec.graph.effects import mutates_input, written_in_place
 from fxrec.graph.horizontal import Gathered, gather, scatter
+from fxrec.graph.pieces import contiguous_range
 from fxrec.graph.rule import HorizontalRule, RewriteContext, register
 
 __all__ = [
@@ -198,8 +199,6 @@ class FuseParallelUnary(HorizontalRule):
         ):
             return "dropout in training mode: one fused mask draws different random numbers"
         inputs = [unary_op(n, ctx).input for n in group]  # type: ignore[union-attr]
-        from fxrec.graph.pieces import contiguous_range
-
         if contiguous_range(inputs) is None and len(group) < 3:
             return "two separate inputs: a cat costs as much as the launch it saves"
         return None
@@ -307,8 +306,6 @@ class FuseParallelBinary(HorizontalRule):
     def refuse_reason(self, group: Sequence[fx.Node], ctx: RewriteContext) -> str | None:
         if any(written_in_place(n) for n in group):
             return "a member's result is written in place: it must stay its own tensor"
-        from fxrec.graph.pieces import contiguous_range
-
         ops = [binary_op(n) for n in group]
         copies = sum(
             isinstance(getattr(ops[0], side), fx.Node)

@@ -28,14 +28,6 @@ from tests.compile.helpers import (
 )
 
 
-@pytest.fixture(autouse=True)
-def _strict(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
-    monkeypatch.setenv("FXREC_STRICT", "1")
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
 class Spellings(nn.Module):
     """Eight slices, four spellings of tanh and of sigmoid: all one op each to fxrec."""
 

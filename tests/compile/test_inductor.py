@@ -27,14 +27,6 @@ from tests.compile.helpers import (
 )
 
 
-@pytest.fixture(autouse=True)
-def _strict(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
-    monkeypatch.setenv("FXREC_STRICT", "1")
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
 def four_tanh(x: torch.Tensor) -> torch.Tensor:
     a, b, c, d = torch.split(x, 4, 1)
     return torch.cat([a.tanh(), torch.tanh(b), F.tanh(c), d.tanh()], 1) * 2

@@ -22,12 +22,8 @@ from fxrec.bench.models import ParallelTowers, RankingModel
 
 
 @pytest.fixture(autouse=True)
-def _strict(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
-    monkeypatch.setenv("FXREC_STRICT", "1")
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
+def _counters() -> None:
+    counters.clear()  # after the dynamo reset of tests/compile/conftest.py
 
 
 def _ranking() -> RankingModel:

@@ -26,11 +26,6 @@ A2A = torch.ops._c10d_functional.all_to_all_single
 WAIT = torch.ops._c10d_functional.wait_tensor
 
 
-@pytest.fixture(autouse=True)
-def _strict(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("FXREC_STRICT", "1")
-
-
 @pytest.fixture
 def fake_pg() -> Iterator[str]:
     from torch.testing._internal.distributed.fake_pg import FakeStore

@@ -14,11 +14,6 @@ import fxrec
 from fxrec.graph.rule import HorizontalRule, RewriteContext
 
 
-@pytest.fixture(autouse=True)
-def _strict(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("FXREC_STRICT", "1")
-
-
 class StackedScale(HorizontalRule):
     """Test rule: N ``x_i * w_i`` (w_i parameters of one shape) -> one mul over stacked tensors."""
 

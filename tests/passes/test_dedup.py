@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -10,11 +9,6 @@ from torch import nn
 from tests.passes.test_linear import check_equivalent, fired, forward_ops
 
 RULES = ["dedup", "dead_code"]
-
-
-@pytest.fixture(autouse=True)
-def _strict(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("FXREC_STRICT", "1")
 
 
 def _x(b: int) -> tuple:

@@ -15,11 +15,6 @@ from tests.passes.test_linear import check_equivalent, fired, forward_ops, refus
 RULES = ["parallel_unary", "cat_of_split", "parallel_embedding", "dedup", "dead_code"]
 
 
-@pytest.fixture(autouse=True)
-def _strict(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("FXREC_STRICT", "1")
-
-
 class Tables(nn.Module):
     """One lookup per feature column: ``ids[:, i]`` (cast per feature if ``cast``)."""
 

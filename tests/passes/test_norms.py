@@ -18,8 +18,7 @@ from fxrec.passes.norms import choose_lowering
 
 
 @pytest.fixture(autouse=True)
-def _strict(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("FXREC_STRICT", "1")
+def _fresh_dynamo() -> None:
     torch._dynamo.reset()
 
 

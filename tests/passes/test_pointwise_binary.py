@@ -15,11 +15,6 @@ from tests.passes.test_linear import check_equivalent, fired, forward_ops, refus
 RULES = ["parallel_binary", "cat_of_split", "dead_code"]
 
 
-@pytest.fixture(autouse=True)
-def _strict(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("FXREC_STRICT", "1")
-
-
 class Pairwise(nn.Module):
     """``cat([op(x_i, y_i)])`` over equal column pieces of x and y."""
 

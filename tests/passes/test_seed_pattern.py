@@ -17,14 +17,6 @@ from torch import nn
 import fxrec
 
 
-@pytest.fixture(autouse=True)
-def _strict(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("FXREC_STRICT", "1")
-    # Dynamo caches per code object: many model instances of one class would hit its
-    # recompile limit and silently run eagerly.
-    torch._dynamo.reset()
-
-
 class SeedTraceable(nn.Module):
     """Written so that symbolic tracing captures it: pieces indexed, not iterated."""
 

@@ -25,11 +25,6 @@ FAMILY = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def _strict(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("FXREC_STRICT", "1")
-
-
 class Fn(nn.Module):
     def __init__(self, fn) -> None:  # type: ignore[no-untyped-def]
         super().__init__()

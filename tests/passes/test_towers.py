@@ -17,11 +17,6 @@ import fxrec
 from tests.passes.test_linear import check_equivalent, fired
 
 
-@pytest.fixture(autouse=True)
-def _strict(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("FXREC_STRICT", "1")
-
-
 def _tower(d: int, depth: int = 3) -> nn.Sequential:
     layers: list[nn.Module] = []
     for _ in range(depth):

@@ -18,11 +18,6 @@ from tests.train.helpers import NUM_EMB, TinyRanker, make_kjt
 PS = torch.ops.fxrec.permute_and_split.default
 
 
-@pytest.fixture(autouse=True)
-def _strict(monkeypatch):
-    monkeypatch.setenv("FXREC_STRICT", "1")
-
-
 def n_split_nodes(gm) -> int:
     return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target is PS)
 

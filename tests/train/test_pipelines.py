@@ -17,11 +17,6 @@ KEYS = ["f0", "f1", "f2"]
 PIPELINES = [TrainPipelineBase, TrainPipelineSparseDist]
 
 
-@pytest.fixture(autouse=True)
-def _strict(monkeypatch):
-    monkeypatch.setenv("FXREC_STRICT", "1")
-
-
 def reference(batches, **model_kw):
     """Losses and parameters of a hand-written loop: the semantics both pipelines keep."""
     model, opt = fresh(KEYS, **model_kw)
