@@ -32,6 +32,7 @@ import torch.fx as fx
 from torch import nn
 from torch.fx.node import map_aggregate
 
+from fxrec.compile.direct import GraphRecord, graph_sources
 from fxrec.graph.capture import lift_params_to_attrs, prune_attrs
 from fxrec.graph.optimize_graph import RuleSpec, optimize_graph, resolve_rules
 from fxrec.graph.params import FusedParameters
@@ -131,15 +132,18 @@ def compile_backend(
     ``rules`` picks rules by name, class or instance (default: every registered rule).
     ``fxrec.optimize`` passes ``model`` and ``owner`` so that parameters become ``get_attr``
     nodes and are laid out once. The backend's ``report`` attribute accumulates what each
-    graph got (one graph per graph break, per recompile).
+    graph got (one graph per graph break, per recompile), its ``graphs`` attribute a
+    :class:`~fxrec.compile.direct.GraphRecord` of each graph whose parameters were lifted.
     """
     inner_fn = inner_backend(inner)
     rule_list = resolve_rules(rules)
     rep = report if report is not None else Report(capture="dynamo")
+    graphs: list[GraphRecord] = []
 
     def backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         keep: list[int] | None = None
         if model is not None and owner is not None:
+            sources = graph_sources(gm)
             gm, keep = lift_params_to_attrs(gm, example_inputs, model)
         device = next((t.device.type for t in example_inputs if isinstance(t, torch.Tensor)), "cpu")
         optimize_graph(gm, rule_list, owner=owner, report=rep, device_type=device)
@@ -147,8 +151,13 @@ def compile_backend(
         if keep is None:
             return inner_fn(gm, list(example_inputs))
         kept_inputs = [example_inputs[i] for i in keep]
-        compiled = inner_fn(prune_attrs(gm), kept_inputs)
-        return lambda *args: compiled(*[args[i] for i in keep])
+        record = GraphRecord(
+            inner_fn(prune_attrs(gm), kept_inputs),
+            [sources[i] if i < len(sources) else None for i in keep],
+        )
+        graphs.append(record)
+        return lambda *args: record(*[args[i] for i in keep])
 
     backend.report = rep  # type: ignore[attr-defined]
+    backend.graphs = graphs  # type: ignore[attr-defined]
     return backend

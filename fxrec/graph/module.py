@@ -70,6 +70,7 @@ class OptimizedModule(nn.Module):
         keep_params: bool = False,
         check: bool = True,
         backend: Any = "eager",
+        guards: bool = False,
     ) -> None:
         super().__init__()
         from fxrec.compile.backend import inner_backend
@@ -81,6 +82,7 @@ class OptimizedModule(nn.Module):
         self._rules = resolve_rules(rules)
         self._keep_params = keep_params
         self._check = check
+        self._guards = guards
         self._traced: dict[bool, fx.GraphModule | None] = {}
         self._runners: dict[Any, Any] = {}
         self._compiled: Any = None
@@ -148,10 +150,13 @@ class OptimizedModule(nn.Module):
                 report=self.fxrec_report,
             )
             self.fxrec_report.capture = "dynamo"
-        self._compiled = torch.compile(
-            _own_code(self.model), backend=self._dynamo_backend, dynamic=False
-        )
-        return self._compiled
+        fn = _own_code(self.model)
+        self._compiled = torch.compile(fn, backend=self._dynamo_backend, dynamic=False)
+        code, params = _code_and_params(fn, self.model)
+        return _DynamoRunner(
+            self._compiled, self._dynamo_backend, code, params, self.fxrec_report,
+            direct=not self._guards and code is not None,
+        )  # fmt: skip
 
     def _optimize_traced(self, traced: fx.GraphModule, args: tuple) -> Any:
         graph = fx.Graph()
@@ -222,6 +227,77 @@ def _own_code(model: nn.Module) -> Any:
     copy.__kwdefaults__ = fn.__kwdefaults__
     copy.__qualname__ = fn.__qualname__
     return types.MethodType(copy, model)
+
+
+def _code_and_params(fn: Any, model: nn.Module) -> tuple[Any, list[str]]:
+    """The private code object dynamo caches ``fn`` under, and its parameter names.
+
+    (None, []) when calls cannot bypass dynamo: a module compiled with its hooks, or a
+    forward taking ``*args``/``**kwargs``/keyword-only parameters, whose arguments would
+    not line up with the positional call.
+    """
+    if fn is model:
+        return None, []
+    sig = inspect.signature(fn)
+    plain = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    if any(p.kind not in plain for p in sig.parameters.values()):
+        return None, []
+    return fn.__func__.__code__, list(sig.parameters)
+
+
+class _DynamoRunner:
+    """One input signature's dynamo capture; its graph is called directly once that is safe.
+
+    The first call goes through dynamo, which compiles; :meth:`DirectCall.build` then
+    decides from what was compiled whether later calls may skip dynamo (see
+    :mod:`fxrec.compile.direct`). A call in another grad mode than the first goes through
+    dynamo, which guards on it.
+    """
+
+    def __init__(
+        self,
+        compiled: Any,
+        backend: Any,
+        code: Any,
+        params: list[str],
+        report: Report,
+        direct: bool,
+    ) -> None:
+        self.compiled = compiled
+        self.backend = backend
+        self.code = code
+        self.params = params
+        self.report = report
+        self.try_direct = direct
+        self.direct: Any = None
+        self.grad_mode = True
+
+    def __call__(self, *args: Any) -> Any:
+        direct = self.direct
+        if direct is not None and torch.is_grad_enabled() is self.grad_mode:
+            return direct(*args)
+        if not self.try_direct:
+            return self.compiled(*args)
+        self.try_direct = False
+        graphs = self.backend.graphs
+        first = len(graphs)
+        result = self.compiled(*args)
+        new = graphs[first:]
+        from fxrec.compile.direct import DirectCall
+
+        self.direct, why = DirectCall.build(self.code, new, self.params, args, result)
+        for record in new:
+            record.recording = False
+            record.last_outputs = None
+        self.grad_mode = torch.is_grad_enabled()
+        note = (
+            f"calls go through dynamo's guards: {why}"
+            if self.direct is None
+            else "one graph: calls after the first skip dynamo's guards"
+        )
+        if note not in self.report.notes:
+            self.report.notes.append(note)
+        return result
 
 
 def _copy_graph(g: fx.Graph) -> fx.Graph:
@@ -312,6 +388,7 @@ def optimize(
     keep_params: bool = False,
     check: bool = True,
     backend: Any = "eager",
+    guards: bool = False,
 ) -> OptimizedModule:
     """Make ``model`` faster by rewriting its graph; same outputs and gradients.
 
@@ -330,17 +407,23 @@ def optimize(
             ``"inductor"`` (``torch.compile`` of fxrec's graphs, with fused parameters laid
             out once, which the ``torch.compile`` plug-ins cannot do since parameters reach
             them as graph inputs), or any ``torch.compile`` backend name or callable.
+        guards: with dynamo capture, check dynamo's guards on every call. By default a
+            model dynamo captures in one graph is called directly after the first call, its
+            Python state (attributes ``forward`` reads, hooks) specialized as symbolic tracing
+            does; shapes, dtypes, devices, input keys, train/eval and grad mode stay checked.
 
     Returns:
         an :class:`OptimizedModule`; its ``fxrec_report`` says what was done.
     """
-    opt = OptimizedModule(model, rules, keep_params=keep_params, check=check, backend=backend)
+    opt = OptimizedModule(
+        model, rules, keep_params=keep_params, check=check, backend=backend, guards=guards
+    )
     if example_inputs is not None:
         if not isinstance(example_inputs, tuple):
             example_inputs = (example_inputs,)
         key = (opt.training, _signature(example_inputs))
         runner = opt._build(key, example_inputs)
-        if runner is opt._compiled:
+        if isinstance(runner, _DynamoRunner):
             # dynamo compiles (and fxrec optimizes) on the first call; check it like a trace.
             with _preserved_state(model), torch.no_grad():
                 reference = model(*example_inputs)
