@@ -136,6 +136,7 @@ def compile_backend(
     :class:`~fxrec.compile.direct.GraphRecord` of each graph whose parameters were lifted.
     """
     inner_fn = inner_backend(inner)
+    eager = isinstance(inner, str) and inner == "eager"
     rule_list = resolve_rules(rules)
     rep = report if report is not None else Report(capture="dynamo")
     graphs: list[GraphRecord] = []
@@ -146,7 +147,9 @@ def compile_backend(
             sources = graph_sources(gm)
             gm, keep = lift_params_to_attrs(gm, example_inputs, model)
         device = next((t.device.type for t in example_inputs if isinstance(t, torch.Tensor)), "cpu")
-        optimize_graph(gm, rule_list, owner=owner, report=rep, device_type=device)
+        optimize_graph(
+            gm, rule_list, owner=owner, report=rep, device_type=device, runs_eagerly=eager
+        )
         fill_example_values(gm)
         if keep is None:
             return inner_fn(gm, list(example_inputs))

@@ -166,7 +166,12 @@ class OptimizedModule(nn.Module):
             reference = _run_annotating(gm, args)
         report = Report(capture="symbolic_trace")
         optimize_graph(
-            gm, self._rules, owner=self._owner(), report=report, device_type=_device_type(args)
+            gm,
+            self._rules,
+            owner=self._owner(),
+            report=report,
+            device_type=_device_type(args),
+            runs_eagerly=self._backend == "eager",
         )
         if self._check and not _same_outputs(self.model, gm, args, reference):
             logger.warning(

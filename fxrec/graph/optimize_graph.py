@@ -82,8 +82,13 @@ def optimize_graph(
     owner: FusedParameters | None = None,
     report: Report | None = None,
     device_type: str = "cpu",
+    runs_eagerly: bool = False,
 ) -> Report:
     """Run ``rules`` on ``gm`` in place to a fixed point; return the report.
+
+    ``runs_eagerly``: the rewritten graph is run as is, never traced again (by AOTAutograd,
+    Inductor or export), so rules may use ops that only have real kernels (fbgemm's CPU
+    table-batched lookup has no fake one).
 
     On an unexpected error the graph is left as it was captured (unless strict mode is on),
     and the report says what failed: optimizing never crashes a model it does not understand.
@@ -94,7 +99,7 @@ def optimize_graph(
     t0 = time.perf_counter()
     before = len(gm.graph.nodes)
     with _gc_paused():
-        passes_s = _optimize_in_place(gm, rules, owner, report, device_type)
+        passes_s = _optimize_in_place(gm, rules, owner, report, device_type, runs_eagerly)
     report.nodes_before += before
     report.nodes_after += len(gm.graph.nodes)
     report.seconds += passes_s
@@ -112,6 +117,7 @@ def _optimize_in_place(
     owner: FusedParameters | None,
     report: Report,
     device_type: str,
+    runs_eagerly: bool,
 ) -> float:
     """:func:`optimize_graph`'s work: rules, then lint and recompile; the backup on failure.
 
@@ -119,7 +125,7 @@ def _optimize_in_place(
     """
     backup = _Snapshot(gm.graph)
     params = ParamStore(gm, owner)
-    ctx = RewriteContext(gm, report, params, device_type)
+    ctx = RewriteContext(gm, report, params, device_type, runs_eagerly)
     meta.stamp_program_order(gm.graph)
     t0 = time.perf_counter()
     try:

@@ -86,12 +86,14 @@ class RewriteContext:
         report: Report,
         params: ParamStore,
         device_type: str = "cpu",
+        runs_eagerly: bool = False,
     ) -> None:
         self.gm = gm
         self.graph = gm.graph
         self.report = report
         self.params = params
         self.device_type = device_type
+        self.runs_eagerly = runs_eagerly  # no later tracing: ops without fake kernels are fine
         self._modules: dict[str, nn.Module] = {}
         self._caches: dict[Callable[[fx.Node], Any], NodeCache[Any]] = {}
         self._batching = False
@@ -130,10 +132,14 @@ class RewriteContext:
             meta.infer(self.gm, node)
         return node
 
-    def call_method(self, name: str, args: tuple = (), kwargs: dict | None = None) -> fx.Node:
+    def call_method(
+        self, name: str, args: tuple = (), kwargs: dict | None = None, *, infer: bool = True
+    ) -> fx.Node:
+        """Create a ``call_method`` node at the current insert point, with metadata."""
         self.flush_replacements()
         node = self.graph.call_method(name, args, kwargs or {})
-        meta.infer(self.gm, node)
+        if infer:
+            meta.infer(self.gm, node)
         return node
 
     def replace(self, old: fx.Node, new: fx.Node) -> None:
@@ -298,10 +304,15 @@ def register(cls: type[Rule]) -> type[Rule]:
 
 
 def registered_rules() -> dict[str, type[Rule]]:
-    """Every registered rule by name (importing :mod:`fxrec.passes` registers the built-ins)."""
-    import fxrec.passes  # noqa: F401  (side effect: registration)
+    """Every registered rule by name, in :data:`fxrec.passes.FAMILY_ORDER` (others last).
 
-    return dict(_REGISTRY)
+    Importing :mod:`fxrec.passes` registers the built-ins.
+    """
+    from fxrec.passes import FAMILY_ORDER
+
+    rank = {f: i for i, f in enumerate(FAMILY_ORDER)}
+    ordered = sorted(_REGISTRY.items(), key=lambda kv: rank.get(kv[1].family, len(rank)))
+    return dict(ordered)
 
 
 def same_device_and_dtype(infos: Sequence[meta.TensorInfo | None]) -> bool:

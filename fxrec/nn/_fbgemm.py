@@ -30,7 +30,14 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["fbgemm_installed", "load_fbgemm", "has_kernel", "FbgemmGroupMeta", "lookup"]
+__all__ = [
+    "fbgemm_installed",
+    "load_fbgemm",
+    "has_kernel",
+    "FbgemmGroupMeta",
+    "lookup",
+    "pooled_lookup",
+]
 
 _OP = "fbgemm::dense_embedding_codegen_lookup_function"
 _POOLING = {"sum": 0, "mean": 1}
@@ -110,6 +117,40 @@ def lookup(
     ``offsets`` delimit the ``members * B`` bags, member-major, last offset included.
     """
     weights_offsets, d_offsets, hash_size_cumsum = meta.tensors(weight.device)
+    return pooled_lookup(
+        weight,
+        weights_offsets,
+        d_offsets,
+        hash_size_cumsum,
+        ids,
+        offsets,
+        meta.total_dim,
+        meta.dim,
+        meta.total_hash_size_bits,
+        mode,
+        per_sample_weights,
+    )
+
+
+def pooled_lookup(
+    weight: torch.Tensor,
+    weights_offsets: torch.Tensor,
+    d_offsets: torch.Tensor,
+    hash_size_cumsum: torch.Tensor,
+    ids: torch.Tensor,
+    offsets: torch.Tensor,
+    total_dim: int,
+    dim: int,
+    hash_bits: int,
+    mode: str,
+    per_sample_weights: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`lookup` with the group's description as tensors and ints.
+
+    This is the form a graph node calls (graph modules hold tensors and constants, not
+    :class:`FbgemmGroupMeta`); ``weights_offsets`` is each member's first element in the
+    flattened ``weight``, ``hash_size_cumsum`` each member's first row then the total rows.
+    """
     pooling = _POOLING[mode]
     if per_sample_weights is not None and mode == "mean":
         lengths = offsets[1:] - offsets[:-1]
@@ -124,10 +165,10 @@ def lookup(
         dev_weights=weight.view(-1),
         weights_offsets=weights_offsets,
         D_offsets=d_offsets,
-        total_D=meta.total_dim,
-        max_D=meta.dim,
+        total_D=total_dim,
+        max_D=dim,
         hash_size_cumsum=hash_size_cumsum,
-        total_hash_size_bits=meta.total_hash_size_bits,
+        total_hash_size_bits=hash_bits,
         indices=ids,
         offsets=offsets,
         pooling_mode=pooling,

@@ -9,10 +9,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fxrec.nn import _fbgemm
+from fxrec.passes.embedding import FuseParallelLookups
 from tests.passes.test_linear import check_equivalent, fired, forward_ops, refusals
 
-# In registration order (pointwise before embedding), as the default rule set runs them.
-RULES = ["parallel_unary", "cat_of_split", "parallel_embedding", "dedup", "dead_code"]
+# Pointwise first: the per-feature casts are fused before the lookups, so the lookup rule
+# must read ids through the fused cast. Torch's lowerings: fbgemm's has tests of its own below.
+RULES = [
+    "parallel_unary",
+    "cat_of_split",
+    FuseParallelLookups(fbgemm=False),
+    "dedup",
+    "dead_code",
+]
+WITH_FBGEMM = ["parallel_unary", "cat_of_split", "parallel_embedding", "dedup", "dead_code"]
+needs_fbgemm = pytest.mark.skipif(
+    not _fbgemm.has_kernel("cpu"), reason="fbgemm's CPU table-batched lookup is not installed"
+)
 
 
 class Tables(nn.Module):
@@ -223,3 +236,91 @@ def test_sparse_gradients() -> None:
     assert flat.grad.is_sparse
     dense = flat.grad.to_dense()
     torch.testing.assert_close(dense, torch.cat([t.weight.grad.to_dense() for t in ref.t]))
+
+
+class MixedBags(nn.Module):
+    """Bags of different sizes per feature (one id, multi-hot), ids cast per feature."""
+
+    SIZES = (1, 2, 3)
+
+    def __init__(self, n: int, mode: str = "sum", shared: bool = False) -> None:
+        super().__init__()
+        self.n = n
+        tables = [nn.EmbeddingBag(10 + i, 4, mode=mode) for i in range(n)]
+        if shared:
+            tables[-1] = tables[0]  # the last feature looks up the first feature's table
+        self.t = nn.ModuleList(tables)
+
+    def forward(self, ids: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat([t(x.long()) for t, x in zip(self.t, ids)], 1)
+
+    @classmethod
+    def inputs(cls, n: int) -> Any:
+        sizes = [cls.SIZES[i % len(cls.SIZES)] for i in range(n)]
+        return lambda b: ([torch.randint(0, 10, (b, s), dtype=torch.int32) for s in sizes],)
+
+
+def _uses_fbgemm(opt: Any) -> bool:
+    return any("fbgemm" in f.detail for f in opt.fxrec_report.firings)
+
+
+@needs_fbgemm
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_fbgemm_bags_of_any_size_are_one_lookup(mode: str) -> None:
+    opt = check_equivalent(lambda: MixedBags(7, mode), MixedBags.inputs(7), rules=WITH_FBGEMM)
+    assert fired(opt, "parallel_embedding") == 1
+    assert _uses_fbgemm(opt)
+    ops = forward_ops(opt, *MixedBags.inputs(7)(4))
+    # ids: one cat, read before the casts (fbgemm takes the int32 ids as they are); bag
+    # offsets: one copy of the per-feature lengths, one cumsum, one pad; one lookup. The
+    # model's cat of the pooled rows is a view of the lookup's member-major output.
+    assert ops == {
+        "aten::cat": 1,
+        "aten::clone": 1,  # reshape of the expanded lengths: clone + _unsafe_view
+        "aten::_unsafe_view": 1,
+        "aten::cumsum": 1,
+        "aten::constant_pad_nd": 1,
+        "fbgemm::dense_embedding_codegen_lookup_function": 1,
+    }
+
+
+@needs_fbgemm
+def test_fbgemm_kernels_do_not_grow_with_tables() -> None:
+    counts = []
+    for n in (4, 13):
+        opt = check_equivalent(
+            lambda n=n: MixedBags(n), MixedBags.inputs(n), rules=WITH_FBGEMM, steps=1
+        )
+        counts.append(fxrec_count(opt, MixedBags.inputs(n)(4)))
+    assert counts[0] == counts[1]
+
+
+@needs_fbgemm
+def test_fbgemm_shared_table_and_weighted_bags() -> None:
+    opt = check_equivalent(
+        lambda: MixedBags(5, shared=True), MixedBags.inputs(5), rules=WITH_FBGEMM
+    )
+    assert fired(opt, "parallel_embedding") == 1
+    (flat,) = list(opt.fxrec_fused.parameters())
+    assert flat.shape == (10 + 11 + 12 + 13, 4)  # the shared table appears once
+
+    def inputs(b: int) -> tuple:
+        return torch.randint(0, 10, (b, 4, 3)), torch.rand(b, 4, 3)
+
+    opt = check_equivalent(lambda: WeightedTables(4, bag=True), inputs, rules=WITH_FBGEMM)
+    assert _uses_fbgemm(opt)  # torch weighs sum bags only
+
+
+@needs_fbgemm
+def test_fbgemm_is_not_used_in_graphs_traced_again() -> None:
+    """AOTAutograd and Inductor trace the graph with fake tensors: fbgemm's op has no fake kernel."""
+    import fxrec
+
+    model = MixedBags(6)
+    (x,) = MixedBags.inputs(6)(4)
+    opt = fxrec.optimize(model, (x,), rules=WITH_FBGEMM, backend="aot_eager")
+    # torch's lowering: one lookup per bag size (1, 2, 3), none through fbgemm
+    assert opt.fxrec_report.count("parallel_embedding") == 3
+    assert not _uses_fbgemm(opt)
+    want = model(x)
+    torch.testing.assert_close(opt(x), want)
