@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Collection, Hashable, Iterable, Sequence
+from collections.abc import Collection, Hashable, Sequence
 from typing import Any
 
 import torch.fx as fx
@@ -34,20 +34,47 @@ MAX_PASSES = 32
 _NO_OP: Any = object()
 
 
-def _candidates(rule: Rule, nodes: Iterable[fx.Node]) -> list[fx.Node]:
-    """The nodes ``rule`` can use at all (:attr:`Rule.candidates`), in graph order."""
+def _candidates(rule: Rule, graph: fx.Graph) -> list[fx.Node]:
+    """The nodes ``rule`` can use at all (:attr:`Rule.candidates`), in graph order.
+
+    Read from FX's index of nodes by (op, target) where the spec names targets, so a rule
+    about ``torch.cat`` does not visit every node of a 10,000-node graph each pass.
+    """
     spec = rule.candidates
     if spec is None:
-        return list(nodes)
+        return list(graph.nodes)
+    indexed = _indexed(spec, graph)
+    if indexed is not None:
+        return indexed
     try:
         return [
             n
-            for n in nodes
+            for n in graph.nodes
             if (targets := spec.get(n.op, _NO_OP)) is not _NO_OP
             and (targets is None or n.target in targets)
         ]
     except TypeError:  # an unhashable target somewhere: let the rule look at those itself
-        return [n for n in nodes if n.op in spec and _may_be(spec[n.op], n.target)]
+        return [n for n in graph.nodes if n.op in spec and _may_be(spec[n.op], n.target)]
+
+
+def _indexed(spec: Any, graph: fx.Graph) -> list[fx.Node] | None:
+    """:func:`_candidates` through ``graph.find_nodes``; None where the index cannot answer."""
+    find = getattr(graph, "find_nodes", None)
+    if find is None or spec.get("call_function", _NO_OP) is None:
+        return None  # any call_function: the index needs a target
+    found: list[fx.Node] = []
+    try:
+        for op, targets in spec.items():
+            if targets is None:
+                found += find(op=op, sort=False)
+            elif op == "call_function":
+                for t in targets:
+                    found += find(op=op, target=t, sort=False)
+            else:
+                found += [n for n in find(op=op, sort=False) if n.target in targets]
+        return sorted(found)
+    except TypeError:  # an unhashable target
+        return None
 
 
 def _may_be(targets: Collection[Any] | None, target: Any) -> bool:
@@ -60,7 +87,7 @@ def _may_be(targets: Collection[Any] | None, target: Any) -> bool:
 def _run_local(rule: LocalRule, ctx: RewriteContext) -> bool:
     """One sweep of a local rule over the graph, in order; True if it rewrote anything."""
     changed = False
-    for node in _candidates(rule, ctx.graph.nodes):
+    for node in _candidates(rule, ctx.graph):
         if node.graph is not ctx.graph:  # erased by an earlier rewrite in this loop
             continue
         m = rule.match(node, ctx)
@@ -109,7 +136,7 @@ def _buckets(
     """
     key, index = rule.key, reach.index
     out: dict[Hashable, list[fx.Node]] = {}
-    for n in _candidates(rule, ctx.graph.nodes):
+    for n in _candidates(rule, ctx.graph):
         if n in index:
             k = key(n, ctx)
             if k is not None:

@@ -165,7 +165,7 @@ class ParamStore:
         if node is not None:
             return node
         fn = torch.stack if how == "stack" else torch.cat  # gathered in-graph
-        node = self.gm.graph.call_function(fn, (list(nodes),))
+        node = self.gm.graph.call_function(fn, (list(nodes), 0))  # dim given: shape arithmetic
         from fxrec.graph.meta import infer
 
         infer(self.gm, node)

@@ -10,4 +10,13 @@ from fxrec.passes import dedup, embedding, linear, norms, overlap, pointwise, sp
 # activation on the fused layer) rather than first gathering the activations across towers.
 FAMILY_ORDER = ("dedup", "embedding", "linear", "norms", "overlap", "pointwise", "split_cat")
 
-__all__ = ["FAMILY_ORDER", "dedup", "embedding", "linear", "norms", "overlap", "pointwise", "split_cat"]
+__all__ = [
+    "FAMILY_ORDER",
+    "dedup",
+    "embedding",
+    "linear",
+    "norms",
+    "overlap",
+    "pointwise",
+    "split_cat",
+]

@@ -182,6 +182,11 @@ class Dedup(LocalRule):
             self._start(ctx)
         if node.op not in _REMOVABLE_OPS or _erased(node):
             return None
+        # A twin reads the same inputs: if this node's first input feeds nothing else, there
+        # is none (the cheap test that spares hashing the arguments of most nodes).
+        first_input = next(iter(node._input_nodes), None)
+        if first_input is not None and len(first_input.users) < 2:
+            return None
         key = ctx.cached(_computation_key)(node)
         if key is None:
             return None

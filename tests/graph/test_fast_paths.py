@@ -314,7 +314,13 @@ def test_rules_accept_nothing_outside_their_candidates() -> None:
         ctx = RewriteContext(gm, Report(), ParamStore(gm, None))
         nodes = list(gm.graph.nodes)
         for rule in rules:
-            kept = set(_candidates(rule, nodes))
+            found = _candidates(rule, gm.graph)
+            spec = rule.candidates
+            scanned = [
+                n for n in nodes if n.op in spec and (spec[n.op] is None or n.target in spec[n.op])
+            ]
+            assert found == scanned, rule.name  # FX's (op, target) index, in graph order
+            kept = set(found)
             for node in nodes:
                 if node in kept:
                     continue
