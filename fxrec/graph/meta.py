@@ -10,6 +10,7 @@ candidate for any rule: the rule reports why and moves on.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -142,6 +143,19 @@ def _fake_arg(mode: Any, x: Any) -> Any:
     return x
 
 
+_FAKE_MODES: weakref.WeakKeyDictionary[fx.Graph, Any] = weakref.WeakKeyDictionary()
+
+
+def _fake_mode(graph: fx.Graph) -> Any:
+    """One fake mode per graph: creating one costs more than most inferences."""
+    mode = _FAKE_MODES.get(graph)
+    if mode is None:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        mode = _FAKE_MODES[graph] = FakeTensorMode(allow_non_fake_inputs=True)
+    return mode
+
+
 def infer(gm: fx.GraphModule, node: fx.Node) -> bool:
     """Compute metadata for ``node`` from its inputs' metadata on fake tensors.
 
@@ -152,12 +166,10 @@ def infer(gm: fx.GraphModule, node: fx.Node) -> bool:
     if shaped is not None:
         node.meta[_KEY] = shaped
         return True
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    mode = _fake_mode(node.graph)
     fake_log = logging.getLogger("torch._subclasses.fake_tensor")
-    level = fake_log.level
-    fake_log.setLevel(logging.CRITICAL)  # a failed inference is expected, not an error
+    was_disabled = fake_log.disabled
+    fake_log.disabled = True  # a failed inference is expected, not an error
     try:
         args = map_aggregate(node.args, lambda x: _fake_arg(mode, x))
         kwargs = map_aggregate(node.kwargs, lambda x: _fake_arg(mode, x))
@@ -177,7 +189,7 @@ def infer(gm: fx.GraphModule, node: fx.Node) -> bool:
         logger.debug("cannot infer metadata for %s: %s", node.name, exc)
         return False
     finally:
-        fake_log.setLevel(level)
+        fake_log.disabled = was_disabled
     set_info(node, out)
     return True
 
