@@ -156,7 +156,7 @@ def compile_backend(
         kept_inputs = [example_inputs[i] for i in keep]
         record = GraphRecord(
             inner_fn(prune_attrs(gm), kept_inputs),
-            [sources[i] if i < len(sources) else None for i in keep],
+            [sources[i] for i in keep],  # placeholders and example inputs line up
         )
         graphs.append(record)
         return lambda *args: record(*[args[i] for i in keep])

@@ -374,7 +374,7 @@ class FuseParallelLookups(HorizontalRule):
             if p is None or p.shape != ii.shape:
                 return None
             pi = p.dtype
-        if self.fbgemm and _tbe_usable(ctx, lk, wi, ii):  # bag sizes may differ, batch may not
+        if self._tbe(ctx, lk, wi, ii):  # bag sizes may differ, batch may not
             return ("tbe", lk.mode, wi.shape[1], wi.device, ii.shape[0], pi)
         return (
             "embedding_bag" if lk.bag else "embedding",
@@ -415,12 +415,18 @@ class FuseParallelLookups(HorizontalRule):
         lks: list[Lookup] = [lookup_call(n, ctx) for n in group]  # type: ignore[misc]
         if lks[0].offsets is not None:
             self._fuse_jagged(group, lks, ctx)
-        elif self.key(group[0], ctx)[0] == "tbe":  # type: ignore[index]
+        elif self._tbe(ctx, lks[0], param_info(ctx, lks[0].weight), ctx.info(lks[0].ids)):  # type: ignore[arg-type]
             self._fuse_tbe(group, lks, ctx)
         else:
             self._fuse_dense(group, lks, ctx)
 
     # -- helpers -----------------------------------------------------------------------------
+    def _tbe(
+        self, ctx: RewriteContext, lk: Lookup, wi: meta.TensorInfo, ii: meta.TensorInfo
+    ) -> bool:
+        """Does this member's group go through fbgemm (the key puts such members together)?"""
+        return self.fbgemm and _tbe_usable(ctx, lk, wi, ii)
+
     @staticmethod
     def _table(ctx: RewriteContext, lks: Sequence[Lookup]) -> tuple[fx.Node, list[int]]:
         """The combined weight and each member's first row in it."""
