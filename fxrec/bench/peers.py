@@ -11,7 +11,8 @@ Three tables, all in ONE process:
    "plug-in ops" as ``compile_backend``/``inductor_pass`` do, where parameters are graph
    inputs and fxrec refuses to re-stack weights in the graph every step (Inductor does).
 2. **Pass time at scale.** Synthetic graphs of 1k-16k nodes: fxrec's pass vs Inductor's,
-   both without the lint and recompile after them. Goal: fxrec at most 1/10 of Inductor's.
+   both without the lint and recompile after them (medians of 5 runs up to 4k nodes).
+   Goal: fxrec at most 1/10 of Inductor's.
 3. **Training step.** eager; ``fxrec.optimize`` (eager); ``torch.compile``; ``torch.compile``
    with all of Inductor's pre-grad fusions; ``torch.compile`` with ``fxrec.inductor_pass()``;
    ``fxrec.optimize(backend="inductor")`` (fxrec's graphs under Inductor, parameters laid
@@ -253,24 +254,29 @@ def _shape_row(name: str, model: nn.Module, device: str) -> dict[str, Any]:
 
 
 # -- pass time at scale ---------------------------------------------------------------------------
-def _scaling_row(target: int) -> dict[str, Any]:
+def _scaling_row(target: int, repeats: int = 1) -> dict[str, Any]:
+    """Pass times on one synthetic graph: medians of ``repeats`` runs on fresh copies."""
     from fxrec.bench.models import synthetic_for_nodes
 
     model = synthetic_for_nodes(target)
     t0 = time.perf_counter()
     gm, _ = _capture(model, model.example(4))
     capture_s = time.perf_counter() - t0
-    ours, theirs = _copy(gm), _copy(gm)
-    t0 = time.perf_counter()
-    rep = optimize_graph(ours, resolve_rules())
-    total_s = time.perf_counter() - t0
-    fxrec_s = rep.seconds  # like Inductor's figure: the passes, without lint and recompile
-    inductor_s = run_inductor_fusions(theirs)
+    fx_s, total, ind_s = [], [], []
+    for _ in range(repeats):
+        ours, theirs = _copy(gm), _copy(gm)
+        t0 = time.perf_counter()
+        rep = optimize_graph(ours, resolve_rules())
+        total.append(time.perf_counter() - t0)
+        fx_s.append(rep.seconds)  # like Inductor's figure: the passes, no lint and recompile
+        ind_s.append(run_inductor_fusions(theirs))
+    fxrec_s, inductor_s = statistics.median(fx_s), statistics.median(ind_s)
     return {
         "nodes": len(gm.graph.nodes),
+        "repeats": repeats,
         "capture_s": capture_s,
         "fxrec_s": fxrec_s,
-        "fxrec_total_s": total_s,
+        "fxrec_total_s": statistics.median(total),
         "inductor_s": inductor_s,
         "ratio": fxrec_s / inductor_s if inductor_s else float("nan"),
         "fxrec_ops": f"{op_count(gm)}->{op_count(ours)}",
@@ -441,7 +447,8 @@ def run(quick: bool = False, device: str = "cpu") -> dict[str, Any]:
         ],
     )
     sizes = (1000, 4000) if quick else (1000, 2000, 4000, 8000, 16000)
-    scale_rows = [_scaling_row(n) for n in sizes]
+    # Small graphs take well under a second per run: the median of 5 runs steadies them.
+    scale_rows = [_scaling_row(n, repeats=5 if n <= 4000 else 1) for n in sizes]
     print_table(
         "peers: pass time on synthetic graphs (goal: fxrec <= 0.1x Inductor's batch fusions; "
         "both without lint + recompile, which fxrec's total adds)",
