@@ -287,13 +287,36 @@ def assemble_pooled(
     """Owner blocks -> the unsharded collection's ``[B, sum dims]`` in its key order.
 
     ``columns[i] = (owner, start, width)``: key ``i``'s columns inside its owner's block.
+    The blocks are laid side by side (one ``cat``) and their columns put in key order by one
+    ``index_select``. A ``cat`` of one narrow slice per key would cost, in backward, a
+    zero-filled block-sized gradient per key: quadratic in the number of keys (100 keys at
+    batch 1024 spent most of a training step there).
     """
     b = handle.local_batch
+    if not columns:
+        return KeyedTensor(list(keys), list(dims), received.new_zeros(b, 0))
     blocks = list(torch.split(received, [b * d for d in dims_per_rank]))
     blocks = [blk.view(b, d) for blk, d in zip(blocks, dims_per_rank)]
-    parts = [blocks[o].narrow(1, s, w) for o, s, w in columns]
-    values = torch.cat(parts, dim=1) if parts else received.new_zeros(b, 0)
+    wide = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
+    order = _column_order(columns, dims_per_rank)
+    values = wide if order is None else wide.index_select(1, order.to(wide.device))
     return KeyedTensor(list(keys), list(dims), values)
+
+
+def _column_order(
+    columns: tuple[tuple[int, int, int], ...], dims_per_rank: tuple[int, ...]
+) -> torch.Tensor | None:
+    """Columns of the side-by-side owner blocks in key order; None when already in order."""
+    base = [0]
+    for d in dims_per_rank:
+        base.append(base[-1] + d)
+    order: list[int] = []
+    for owner, start, width in columns:
+        first = base[owner] + start
+        order.extend(range(first, first + width))
+    if order == list(range(base[-1])):
+        return None
+    return torch.tensor(order, dtype=torch.long)
 
 
 for _fn, _kind in (
