@@ -97,7 +97,10 @@ def count_kernels(
     """Run ``fn(*args, **kwargs)`` once (and the backward of the sum of its outputs) and count kernels.
 
     The loss used for backward (a sum over every output that requires grad) is built outside the
-    counted region, so the backward count is the model's own backward only.
+    counted region, so the backward count is the model's own backward only. When ``fn`` is a
+    module, gradients already in its parameters' ``.grad`` are set aside for the backward and
+    put back after: the count is that of a step after ``zero_grad(set_to_none=True)`` (no
+    accumulation kernels from an earlier call), and ``.grad`` is left as it was found.
     """
     with _Counter() as fwd:
         out = fn(*args, **kwargs)
@@ -105,8 +108,16 @@ def count_kernels(
     if backward:
         loss = _loss(out)
         if loss is not None:
-            with bwd:
-                loss.backward()
+            params = list(fn.parameters()) if isinstance(fn, torch.nn.Module) else []
+            kept = [p.grad for p in params]
+            for p in params:
+                p.grad = None
+            try:
+                with bwd:
+                    loss.backward()
+            finally:
+                for p, g in zip(params, kept):
+                    p.grad = g
     return KernelCount(
         forward=sum(fwd.ops.values()),
         backward=sum(bwd.ops.values()),

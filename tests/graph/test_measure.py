@@ -35,3 +35,17 @@ def test_works_under_torch_compile() -> None:
     k = fxrec.count_kernels(f, x, backward=False)
     assert k.forward == 2
     torch._dynamo.reset()
+
+
+def test_module_counts_a_fresh_step_and_keeps_its_grads() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+    x = torch.randn(5, 4)
+    first = fxrec.count_kernels(model, x)
+    assert all(p.grad is None for p in model.parameters())
+    model(x).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    again = fxrec.count_kernels(model, x)
+    # No accumulation kernels for the gradients already there, and those are left as they were.
+    assert again.backward_ops == first.backward_ops
+    assert "aten::add_" not in again.backward_ops
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
