@@ -22,6 +22,7 @@ the reverse all-to-all (reversed split sizes), so gradients travel back to the o
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -299,24 +300,39 @@ def assemble_pooled(
     blocks = [blk.view(b, d) for blk, d in zip(blocks, dims_per_rank)]
     wide = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
     order = _column_order(columns, dims_per_rank)
-    values = wide if order is None else wide.index_select(1, order.to(wide.device))
+    if order is None:
+        values = wide
+    else:
+        unit, index = order
+        units = wide.view(b, wide.shape[1] // unit, unit)
+        values = units.index_select(1, index.to(wide.device)).view(b, -1)
     return KeyedTensor(list(keys), list(dims), values)
 
 
 def _column_order(
     columns: tuple[tuple[int, int, int], ...], dims_per_rank: tuple[int, ...]
-) -> torch.Tensor | None:
-    """Columns of the side-by-side owner blocks in key order; None when already in order."""
+) -> tuple[int, torch.Tensor] | None:
+    """Keys' columns of the side-by-side owner blocks, in key order; None if already so.
+
+    Returned as ``(unit, index)``: the columns cut in runs of ``unit`` (the gcd of every
+    key's width and position), and the runs to take, in order. Gathering runs of a
+    key's embedding dim instead of single columns is several times faster both ways.
+    """
     base = [0]
     for d in dims_per_rank:
         base.append(base[-1] + d)
-    order: list[int] = []
-    for owner, start, width in columns:
-        first = base[owner] + start
-        order.extend(range(first, first + width))
-    if order == list(range(base[-1])):
-        return None
-    return torch.tensor(order, dtype=torch.long)
+    spans = [(base[owner] + start, width) for owner, start, width in columns]
+    pos = 0
+    for first, width in spans:
+        if first != pos:
+            break
+        pos += width
+    else:
+        if pos == base[-1]:
+            return None
+    unit = math.gcd(base[-1], *(v for span in spans for v in span))
+    index = [i for first, width in spans for i in range(first // unit, (first + width) // unit)]
+    return unit, torch.tensor(index, dtype=torch.long)
 
 
 for _fn, _kind in (
