@@ -5,7 +5,9 @@ One pass visits every rule once. Local rules see every node they can use (their
 of :mod:`fxrec.graph.search` against one :class:`Reachability` index built at the start of
 the pass. Nodes created during a pass are candidates from the next pass on, which is how
 small rules chain into big fusions: LayerNorms fuse in pass 1, the tanhs that now read one
-fused LayerNorm fuse in pass 2, the split/cat pair around them cancels in pass 3.
+fused LayerNorm fuse in pass 2, the split/cat pair around them cancels in pass 3. A pass
+whose local rules change nothing skips the horizontal rules when the last horizontal phase
+found nothing on this same graph.
 
 A pass costs time linear in the graph: per-node facts that survive a pass are cached for the
 run (:meth:`RewriteContext.cached`), buckets too small for a set are dropped before any
@@ -157,20 +159,25 @@ def run_rules(ctx: RewriteContext, rules: Sequence[Rule]) -> int:
     graph = ctx.graph
     passes = 0
     horizontal = [r for r in rules if isinstance(r, HorizontalRule)]
+    # True while the graph is the one the last horizontal phase left untouched (it fused and
+    # deferred nothing): running the horizontal rules again would find nothing either.
+    settled = False
     for passes in range(1, MAX_PASSES + 1):  # noqa: B007
         changed = False
         for rule in rules:
             if isinstance(rule, LocalRule):
                 changed |= _run_local(rule, ctx)
-        if horizontal:
+        if horizontal and not (settled and not changed):
             reach = Reachability(graph)
-            fused = False
+            fused = deferred = False
             for rule in horizontal:
                 c, d = _run_horizontal(rule, ctx, reach)
                 fused |= c
-                changed |= c or d
+                deferred |= d
             if fused:
                 stable_toposort(graph, ctx.cached(_is_ordered))
+            settled = not (fused or deferred)
+            changed |= not settled
         if not changed:
             break
     else:
