@@ -74,13 +74,18 @@ def _randomise(model: nn.Module) -> nn.Module:
 
 
 def assert_equivalent(
-    model: nn.Module, opt: nn.Module, ref: nn.Module, x: torch.Tensor, atol: float = 1e-5
+    model: nn.Module,
+    opt: nn.Module,
+    ref: nn.Module,
+    x: torch.Tensor,
+    atol: float = 1e-5,
+    rtol: float = 1e-5,
 ) -> None:
     """Outputs, input gradients and parameter gradients of ``opt`` equal those of ``ref``."""
     x1 = x.detach().clone().requires_grad_()
     x2 = x.detach().clone().requires_grad_()
     out, want = opt(x1), ref(x2)
-    torch.testing.assert_close(out, want, atol=atol, rtol=1e-5)
+    torch.testing.assert_close(out, want, atol=atol, rtol=rtol)
     g = torch.randn_like(want)
     model.zero_grad(set_to_none=True)
     ref.zero_grad(set_to_none=True)
@@ -88,14 +93,14 @@ def assert_equivalent(
         p.grad = None
     out.backward(g)
     want.backward(g)
-    torch.testing.assert_close(x1.grad, x2.grad, atol=atol, rtol=1e-5)
+    torch.testing.assert_close(x1.grad, x2.grad, atol=atol, rtol=rtol)
     # Member parameters are views of the fused one: compare the fused gradient slice by slice.
     grads = _member_grads(opt, model)
     for name, p in ref.named_parameters():
         if p.grad is None:  # a parameter the model never uses
             assert grads[name] is None or not grads[name].any(), name
             continue
-        torch.testing.assert_close(grads[name], p.grad, atol=atol, rtol=1e-5, msg=name)
+        torch.testing.assert_close(grads[name], p.grad, atol=atol, rtol=rtol, msg=name)
 
 
 def _member_grads(opt: nn.Module, model: nn.Module) -> dict[str, torch.Tensor | None]:
@@ -263,8 +268,11 @@ def test_property_optimize_preserves_outputs_gradients_and_stats(spec: dict) -> 
     ref = copy.deepcopy(model)
     width = spec["n"] * spec["d"]
     opt = fxrec.optimize(model, (torch.randn(spec["batch"], width),))
+    # LayerNorm over 2 or 3 values divides by a standard deviation that can be tiny: its
+    # gradients amplify float32 rounding, which the fused form (normalise, then one affine
+    # for all members) rounds differently. Hence a relative tolerance of 1e-4 here.
     for b in (spec["batch"], spec["batch"] + 3):
-        assert_equivalent(model, opt, ref, torch.randn(b, width), atol=1e-4)
+        assert_equivalent(model, opt, ref, torch.randn(b, width), atol=1e-4, rtol=1e-4)
     for (k, v), (k2, v2) in zip(model.state_dict().items(), ref.state_dict().items()):
         assert k == k2
         torch.testing.assert_close(v, v2, atol=1e-5, rtol=1e-5, msg=k)
