@@ -89,6 +89,7 @@ def _may_be(targets: Collection[Any] | None, target: Any) -> bool:
 def _run_local(rule: LocalRule, ctx: RewriteContext) -> bool:
     """One sweep of a local rule over the graph, in order; True if it rewrote anything."""
     changed = False
+    rule.begin_sweep(ctx)
     for node in _candidates(rule, ctx.graph):
         if node.graph is not ctx.graph:  # erased by an earlier rewrite in this loop
             continue

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar, Generic, TypeVar
 
@@ -211,7 +212,9 @@ class RewriteContext:
             n = work.pop()
             if n.graph is not self.graph or n.users or n.op in ("placeholder", "output"):
                 continue
-            if n.op != "get_attr" and n.is_impure():
+            # An unread tuple element is never an effect (its producer stays); fx's
+            # is_impure() costs a schema lookup per node, and most erased nodes are these.
+            if n.op != "get_attr" and n.target is not operator.getitem and n.is_impure():
                 continue
             inputs = n.all_input_nodes
             self.graph.erase_node(n)
@@ -250,6 +253,9 @@ class Rule:
 
 class LocalRule(Rule):
     """Rewrites one node at a time."""
+
+    def begin_sweep(self, ctx: RewriteContext) -> None:
+        """Called by the driver before each sweep over the graph (for rules that keep state)."""
 
     def match(self, node: fx.Node, ctx: RewriteContext) -> Any:
         """Return a truthy match object if the rule applies to ``node``."""

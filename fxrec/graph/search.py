@@ -36,7 +36,7 @@ class Reachability:
         for i, node in enumerate(graph.nodes):
             self.index[node] = i
             acc = 0
-            for inp in node.all_input_nodes:
+            for inp in node._input_nodes:  # the dict all_input_nodes copies
                 j = self.index.get(inp)
                 if j is not None:
                     acc |= self.ancestors[j] | (1 << j)
@@ -178,7 +178,7 @@ def _stable_order(nodes: list[fx.Node], is_ordered: Callable[[fx.Node], bool]) -
             place(heapq.heappop(released)[1])
         if pending is not None and pending in placed:
             pending = None
-        deps = [d for d in n.all_input_nodes if d not in placed]
+        deps = [d for d in n._input_nodes if d not in placed]
         if (deps or pending is not None) and is_ordered(n):
             if pending is not None and pending not in deps:
                 deps.append(pending)

@@ -151,14 +151,15 @@ class Dedup(LocalRule):
 
     name = "dedup"
     family = "dedup"
+    candidates = dict.fromkeys(_REMOVABLE_OPS)
 
     def __init__(self) -> None:
         self._graph: fx.Graph | None = None
         self._seen: dict[Any, fx.Node] = {}
         self._tainted: set[fx.Node] | None = None
 
-    def _start(self, ctx: RewriteContext) -> None:
-        """Called on the first node of each sweep: fresh table, fresh view of mutations."""
+    def begin_sweep(self, ctx: RewriteContext) -> None:
+        """Fresh table, fresh view of mutations."""
         self._graph = ctx.graph
         self._seen = {}
         self._tainted = None  # see _reads_written
@@ -176,10 +177,8 @@ class Dedup(LocalRule):
         return node in self._tainted
 
     def match(self, node: fx.Node, ctx: RewriteContext) -> Any:
-        # ``node.prev`` is the graph's root sentinel exactly for its first (live) node.
-        first = node.prev.op == "root" and not _erased(node)
-        if self._graph is not ctx.graph or first:
-            self._start(ctx)
+        if self._graph is not ctx.graph:  # called outside the driver's sweeps
+            self.begin_sweep(ctx)
         if node.op not in _REMOVABLE_OPS or _erased(node):
             return None
         # A twin reads the same inputs: if this node's first input feeds nothing else, there
@@ -217,6 +216,7 @@ class DeadCode(LocalRule):
 
     name = "dead_code"
     family = "dedup"
+    candidates = dict.fromkeys(_REMOVABLE_OPS)
 
     def match(self, node: fx.Node, ctx: RewriteContext) -> Any:
         if node.users or node.op not in _REMOVABLE_OPS or _erased(node):
