@@ -212,15 +212,33 @@ def _requires_grad(infos: Sequence[TensorInfo]) -> bool:
     return any(i.requires_grad and i.dtype.is_floating_point for i in infos)
 
 
+# Float ops whose result has their one input's shape, dtype and device (the fused forms the
+# pointwise and norm rules build); ``layer_norm`` is checked further in :func:`_same_as_input`.
+_SAME_SHAPE_FUNCTIONS = {torch.tanh, torch.sigmoid, torch.relu, torch.nn.functional.layer_norm}
+
+
 def _glue_info(node: fx.Node) -> Any:
     """Metadata of a ``torch.split/unbind/cat/stack`` node in a plain form, else None.
 
+    Also the few shape-only ops every fused set adds (an elementwise activation, the
+    normalisation before the members' affine, ``addcmul``, ``flatten``/``unflatten``): fake
+    tensors cost up to a millisecond each, a large part of a small graph's pass time.
     Only in grad mode: without it, views and copies differ in ``requires_grad``.
     """
-    if node.op != "call_function" or node.kwargs or not node.args:
+    if node.kwargs or not node.args or not torch.is_grad_enabled():
         return None
-    if not torch.is_grad_enabled():
+    if node.op == "call_method":
+        if node.target == "flatten":
+            return _flatten_info(node.args)
+        if node.target == "unflatten":
+            return _unflatten_info(node.args)
         return None
+    if node.op != "call_function":
+        return None
+    if node.target in _SAME_SHAPE_FUNCTIONS:
+        return _same_as_input(node)
+    if node.target is torch.addcmul:
+        return _addcmul_info(node.args)
     if node.target is torch.split:
         return _split_info(node.args)
     if node.target is torch.unbind:
@@ -228,6 +246,89 @@ def _glue_info(node: fx.Node) -> Any:
     if node.target is torch.cat or node.target is torch.stack:
         return _join_info(node.args, node.target is torch.stack)
     return None
+
+
+def _same_as_input(node: fx.Node) -> TensorInfo | None:
+    """``tanh/sigmoid/relu(x)``, ``layer_norm(x, shape, None, None, eps)``: ``x``'s info."""
+    x, *rest = node.args
+    ti = _static_info(x)
+    if ti is None or not ti.dtype.is_floating_point:
+        return None
+    if node.target is torch.nn.functional.layer_norm:
+        if len(rest) != 4 or rest[1] is not None or rest[2] is not None:  # shape, w, b, eps
+            return None  # affine parameters: their dtype and shape would need checking too
+        ns = rest[0]
+        if not isinstance(ns, (list, tuple)) or not ns or tuple(ti.shape[-len(ns) :]) != tuple(ns):
+            return None
+    elif rest:
+        return None
+    return TensorInfo(ti.shape, ti.dtype, ti.device, _requires_grad([ti]))
+
+
+def _addcmul_info(args: tuple) -> TensorInfo | None:
+    """``torch.addcmul(a, b, c)`` of one float dtype and device, shapes broadcast."""
+    if len(args) != 3:
+        return None
+    infos = [_static_info(x) for x in args]
+    first = infos[0]
+    if first is None or not first.dtype.is_floating_point:
+        return None
+    if any(i is None or i.dtype != first.dtype or i.device != first.device for i in infos):
+        return None
+    try:
+        shape = tuple(torch.broadcast_shapes(*(i.shape for i in infos)))  # type: ignore[union-attr]
+    except RuntimeError:
+        return None
+    return TensorInfo(shape, first.dtype, first.device, _requires_grad(infos))  # type: ignore[arg-type]
+
+
+def _flatten_info(args: tuple) -> TensorInfo | None:
+    """``x.flatten(start, end)`` with both dims given."""
+    if len(args) != 3:
+        return None
+    x, start, end = args
+    ti = _static_info(x)
+    if ti is None or ti.ndim == 0 or type(start) is not int or type(end) is not int:
+        return None
+    nd = ti.ndim
+    if not (-nd <= start < nd and -nd <= end < nd):
+        return None
+    a, b = start % nd, end % nd
+    if a > b:
+        return None
+    n = 1
+    for size in ti.shape[a : b + 1]:
+        n *= size
+    shape = (*ti.shape[:a], n, *ti.shape[b + 1 :])
+    return TensorInfo(shape, ti.dtype, ti.device, _requires_grad([ti]))
+
+
+def _unflatten_info(args: tuple) -> TensorInfo | None:
+    """``x.unflatten(dim, sizes)`` with at most one ``-1`` among the sizes."""
+    if len(args) != 3:
+        return None
+    x, dim, sizes = args
+    ti = _static_info(x)
+    if ti is None or ti.ndim == 0 or type(dim) is not int or not -ti.ndim <= dim < ti.ndim:
+        return None
+    if not isinstance(sizes, (list, tuple)) or not sizes:
+        return None
+    if any(type(n) is not int or n < -1 for n in sizes) or list(sizes).count(-1) > 1:
+        return None
+    d = dim % ti.ndim
+    known = 1
+    for n in sizes:
+        if n != -1:
+            known *= n
+    total = ti.shape[d]
+    if -1 in sizes:
+        if known == 0 or total % known:
+            return None
+        sizes = [total // known if n == -1 else n for n in sizes]
+    elif known != total:
+        return None
+    shape = (*ti.shape[:d], *sizes, *ti.shape[d + 1 :])
+    return TensorInfo(shape, ti.dtype, ti.device, _requires_grad([ti]))
 
 
 def _split_info(args: tuple) -> tuple[TensorInfo, ...] | None:

@@ -121,6 +121,73 @@ def test_glue_metadata_matches_fake_tensors(make, dtype, grad: bool) -> None:
     assert meta.info(node) == expected
 
 
+def _fake_info_any(node: fx.Node) -> object:
+    """:func:`_fake_info` for method calls too."""
+    if node.op == "call_function":
+        return _fake_info(node)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    self_, *rest = fx.node.map_aggregate(node.args, lambda x: meta._fake_arg(mode, x))
+    with mode:
+        out = getattr(self_, node.target)(*rest)
+    return meta.TensorInfo.of(out)
+
+
+@pytest.mark.parametrize("grad", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int64])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda g, x, w: g.call_function(torch.tanh, (x,)),
+        lambda g, x, w: g.call_function(torch.sigmoid, (x,)),
+        lambda g, x, w: g.call_function(torch.relu, (x,)),
+        lambda g, x, w: g.call_function(
+            torch.nn.functional.layer_norm, (x, (4,), None, None, 1e-5)
+        ),
+        lambda g, x, w: g.call_function(
+            torch.nn.functional.layer_norm, (x, [3, 4], None, None, 1e-3)
+        ),
+        lambda g, x, w: g.call_function(torch.addcmul, (w, x, w)),
+        lambda g, x, w: g.call_function(torch.addcmul, (x, x, w)),
+        lambda g, x, w: g.call_method("flatten", (x, 1, 2)),
+        lambda g, x, w: g.call_method("flatten", (x, 0, -1)),
+        lambda g, x, w: g.call_method("unflatten", (x, 1, (3, 1))),
+        lambda g, x, w: g.call_method("unflatten", (x, -1, (2, -1))),
+    ],
+)
+def test_shape_op_metadata_matches_fake_tensors(make, dtype, grad: bool) -> None:
+    g = fx.Graph()
+    x = _input(g, "x", (2, 3, 4), dtype, True)
+    w = _input(g, "w", (3, 4), dtype, False)
+    node = make(g, x, w)
+    with torch.set_grad_enabled(grad):
+        try:
+            expected = _fake_info_any(node)
+        except Exception:  # e.g. no integer tanh: then no metadata either way
+            assert meta._glue_info(node) is None
+            return
+        if dtype.is_floating_point:  # the shape-arithmetic path answers these
+            assert (meta._glue_info(node) is not None) == grad
+        assert meta.infer(None, node)  # type: ignore[arg-type]
+    assert meta.info(node) == expected
+
+
+def test_shape_op_metadata_declines_what_it_does_not_check() -> None:
+    g = fx.Graph()
+    x = _input(g, "x", (2, 3, 4), torch.float32, False)
+    w = _input(g, "w", (4,), torch.float32, False)
+    h = _input(g, "h", (4,), torch.float16, False)
+    ln = torch.nn.functional.layer_norm
+    for node in [
+        g.call_function(ln, (x, (4,), w, None, 1e-5)),  # affine parameters
+        g.call_function(ln, (x, (3,), None, None, 1e-5)),  # shape mismatch
+        g.call_function(torch.addcmul, (x, x, h)),  # mixed dtypes
+        g.call_function(torch.tanh, (x,), {"out": x}),
+        g.call_method("unflatten", (x, 1, (2, -1))),  # 3 does not split in 2
+        g.call_method("flatten", (x, 2, 1)),
+    ]:
+        assert meta._glue_info(node) is None
+
+
 def test_glue_metadata_leaves_unusual_forms_to_fake_tensors() -> None:
     g = fx.Graph()
     x = _input(g, "x", (3, 6), torch.float32, False)
