@@ -10,6 +10,7 @@ candidate for any rule: the rule reports why and moves on.
 from __future__ import annotations
 
 import logging
+import math
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -212,9 +213,7 @@ def _requires_grad(infos: Sequence[TensorInfo]) -> bool:
     return any(i.requires_grad and i.dtype.is_floating_point for i in infos)
 
 
-# Float ops whose result has their one input's shape, dtype and device (the fused forms the
-# pointwise and norm rules build); ``layer_norm`` is checked further in :func:`_same_as_input`.
-_SAME_SHAPE_FUNCTIONS = {torch.tanh, torch.sigmoid, torch.relu, torch.nn.functional.layer_norm}
+_ACTIVATIONS = {torch.tanh, torch.sigmoid, torch.relu}  # the pointwise rule's fused forms
 
 
 def _glue_info(node: fx.Node) -> Any:
@@ -235,8 +234,10 @@ def _glue_info(node: fx.Node) -> Any:
         return None
     if node.op != "call_function":
         return None
-    if node.target in _SAME_SHAPE_FUNCTIONS:
-        return _same_as_input(node)
+    if node.target in _ACTIVATIONS:
+        return _activation_info(node.args)
+    if node.target is torch.nn.functional.layer_norm:
+        return _layer_norm_info(node.args)
     if node.target is torch.addcmul:
         return _addcmul_info(node.args)
     if node.target is torch.split:
@@ -248,21 +249,38 @@ def _glue_info(node: fx.Node) -> Any:
     return None
 
 
-def _same_as_input(node: fx.Node) -> TensorInfo | None:
-    """``tanh/sigmoid/relu(x)``, ``layer_norm(x, shape, None, None, eps)``: ``x``'s info."""
-    x, *rest = node.args
+def _with_shape(ti: TensorInfo, shape: tuple[Any, ...]) -> TensorInfo:
+    """The result of a differentiable op on ``ti`` alone, of the given shape."""
+    return TensorInfo(shape, ti.dtype, ti.device, _requires_grad([ti]))
+
+
+def _at_dim(x: Any, dim: Any) -> tuple[TensorInfo, int] | None:
+    """``x``'s static info and ``dim`` made non-negative, if ``dim`` is one of its dims."""
     ti = _static_info(x)
+    if ti is None or ti.ndim == 0 or type(dim) is not int or not -ti.ndim <= dim < ti.ndim:
+        return None
+    return ti, dim % ti.ndim
+
+
+def _activation_info(args: tuple) -> TensorInfo | None:
+    """``tanh/sigmoid/relu(x)`` of a float ``x``: ``x``'s shape."""
+    ti = _static_info(args[0]) if len(args) == 1 else None
     if ti is None or not ti.dtype.is_floating_point:
         return None
-    if node.target is torch.nn.functional.layer_norm:
-        if len(rest) != 4 or rest[1] is not None or rest[2] is not None:  # shape, w, b, eps
-            return None  # affine parameters: their dtype and shape would need checking too
-        ns = rest[0]
-        if not isinstance(ns, (list, tuple)) or not ns or tuple(ti.shape[-len(ns) :]) != tuple(ns):
-            return None
-    elif rest:
+    return _with_shape(ti, ti.shape)
+
+
+def _layer_norm_info(args: tuple) -> TensorInfo | None:
+    """``layer_norm(x, shape, None, None, eps)`` (no affine) of a float ``x``."""
+    if len(args) != 5 or args[2] is not None or args[3] is not None:
+        return None  # affine parameters: their dtype and shape would need checking too
+    x, ns = args[0], args[1]
+    ti = _static_info(x)
+    if ti is None or not ti.dtype.is_floating_point or not isinstance(ns, (list, tuple)):
         return None
-    return TensorInfo(ti.shape, ti.dtype, ti.device, _requires_grad([ti]))
+    if not ns or tuple(ti.shape[-len(ns) :]) != tuple(ns):
+        return None
+    return _with_shape(ti, ti.shape)
 
 
 def _addcmul_info(args: tuple) -> TensorInfo | None:
@@ -287,20 +305,11 @@ def _flatten_info(args: tuple) -> TensorInfo | None:
     if len(args) != 3:
         return None
     x, start, end = args
-    ti = _static_info(x)
-    if ti is None or ti.ndim == 0 or type(start) is not int or type(end) is not int:
+    first, last = _at_dim(x, start), _at_dim(x, end)
+    if first is None or last is None or first[1] > last[1]:
         return None
-    nd = ti.ndim
-    if not (-nd <= start < nd and -nd <= end < nd):
-        return None
-    a, b = start % nd, end % nd
-    if a > b:
-        return None
-    n = 1
-    for size in ti.shape[a : b + 1]:
-        n *= size
-    shape = (*ti.shape[:a], n, *ti.shape[b + 1 :])
-    return TensorInfo(shape, ti.dtype, ti.device, _requires_grad([ti]))
+    ti, a, b = first[0], first[1], last[1]
+    return _with_shape(ti, (*ti.shape[:a], math.prod(ti.shape[a : b + 1]), *ti.shape[b + 1 :]))
 
 
 def _unflatten_info(args: tuple) -> TensorInfo | None:
@@ -308,27 +317,20 @@ def _unflatten_info(args: tuple) -> TensorInfo | None:
     if len(args) != 3:
         return None
     x, dim, sizes = args
-    ti = _static_info(x)
-    if ti is None or ti.ndim == 0 or type(dim) is not int or not -ti.ndim <= dim < ti.ndim:
-        return None
-    if not isinstance(sizes, (list, tuple)) or not sizes:
+    at = _at_dim(x, dim)
+    if at is None or not isinstance(sizes, (list, tuple)) or not sizes:
         return None
     if any(type(n) is not int or n < -1 for n in sizes) or list(sizes).count(-1) > 1:
         return None
-    d = dim % ti.ndim
-    known = 1
-    for n in sizes:
-        if n != -1:
-            known *= n
-    total = ti.shape[d]
+    ti, d = at
+    known, total = math.prod(n for n in sizes if n != -1), ti.shape[d]
     if -1 in sizes:
         if known == 0 or total % known:
             return None
         sizes = [total // known if n == -1 else n for n in sizes]
     elif known != total:
         return None
-    shape = (*ti.shape[:d], *sizes, *ti.shape[d + 1 :])
-    return TensorInfo(shape, ti.dtype, ti.device, _requires_grad([ti]))
+    return _with_shape(ti, (*ti.shape[:d], *sizes, *ti.shape[d + 1 :]))
 
 
 def _split_info(args: tuple) -> tuple[TensorInfo, ...] | None:
@@ -336,34 +338,27 @@ def _split_info(args: tuple) -> tuple[TensorInfo, ...] | None:
     if len(args) != 3:
         return None
     x, sizes, dim = args
-    ti = _static_info(x)
-    if ti is None or ti.ndim == 0 or type(dim) is not int or not -ti.ndim <= dim < ti.ndim:
-        return None
-    if not isinstance(sizes, (list, tuple)) or not sizes:
+    at = _at_dim(x, dim)
+    if at is None or not isinstance(sizes, (list, tuple)) or not sizes:
         return None
     if any(type(n) is not int or n < 0 for n in sizes):
         return None
-    d = dim % ti.ndim
+    ti, d = at
     if sum(sizes) != ti.shape[d]:
         return None
-    rg = _requires_grad([ti])
     head, tail = ti.shape[:d], ti.shape[d + 1 :]
-    return tuple(TensorInfo((*head, n, *tail), ti.dtype, ti.device, rg) for n in sizes)
+    return tuple(_with_shape(ti, (*head, n, *tail)) for n in sizes)
 
 
 def _unbind_info(args: tuple) -> tuple[TensorInfo, ...] | None:
     """``torch.unbind(x, dim)`` into at least one piece."""
     if len(args) != 2:
         return None
-    x, dim = args
-    ti = _static_info(x)
-    if ti is None or ti.ndim == 0 or type(dim) is not int or not -ti.ndim <= dim < ti.ndim:
+    at = _at_dim(*args)
+    if at is None or at[0].shape[at[1]] == 0:
         return None
-    d = dim % ti.ndim
-    if ti.shape[d] == 0:
-        return None
-    piece = TensorInfo(ti.shape[:d] + ti.shape[d + 1 :], ti.dtype, ti.device, _requires_grad([ti]))
-    return (piece,) * ti.shape[d]
+    ti, d = at
+    return (_with_shape(ti, ti.shape[:d] + ti.shape[d + 1 :]),) * ti.shape[d]
 
 
 def _join_info(args: tuple, stack: bool) -> TensorInfo | None:
