@@ -10,13 +10,20 @@ lost cache locality costs more: measured here (training step, 1 thread), 8 tower
 2048 (128 Ki elements per member) run 1.3-1.6x *slower* fused, the seed pattern with 256
 members at batch 2048 (8 Mi elements fused) 1.15x slower; at batch 256 both are faster fused.
 
-The rule of thumb, calibrated with ``python -m fxrec bench graph`` on a 2-core AMD EPYC
-(1 MiB L2 per core, 32 MiB L3): on CPU, fuse memory-bound ops (norms, pointwise ops) and
-the GEMMs that feed them only while each member's result is at most
-:data:`CPU_MEMBER_ELEMS` elements (larger members are refused, with the reason in the
-report: the model runs those ops as written), and cut a group whose fused result would
-exceed :data:`CPU_GROUP_ELEMS` into consecutive chunks that do not (:func:`chunks`): 256
-LayerNorms of 2048 x 16 become 8 fused LayerNorms of 32 members, each working in cache.
+The rule of thumb, calibrated with ``python -m fxrec bench graph`` and the seed pattern at
+1 and 2 threads on a 2-core AMD EPYC (1 MiB L2 per core, 32 MiB L3): on CPU, fuse
+memory-bound ops (norms, pointwise ops) and the GEMMs that feed them only while each
+member's result is at most :data:`CPU_MEMBER_ELEMS` elements (larger members are refused,
+with the reason in the report: the model runs those ops as written). A group whose fused
+result stays within :data:`CPU_GROUP_ELEMS` (16 MiB of float32) stays whole: cutting it
+would make each chunk a strided slice of its input, copied before the norm and joined by a
+``cat`` after, and that costs more than the cache it saves (100 LayerNorms of 1024 x 32:
+1.06x whole vs 0.84x in 1 Mi chunks at 1 thread, 2.1x vs 1.6x at 2). Past that size the
+fused tensors no longer come from the allocator's heap (glibc maps blocks over 32 MiB
+afresh, and every fresh page faults), so the group is cut into consecutive chunks of
+:data:`CPU_CHUNK_ELEMS` (:func:`chunks`): 256 LayerNorms of 2048 x 16 become 8 fused
+LayerNorms of 32 members (1.07x at 1 thread, 1.9x at 2; whole: 1.0x, 1.7x; chunks of 8
+members gain a little more at 1 thread, 1.2x, for four times the kernels).
 Grouped embedding lookups are not memory-bound this way (their win is in the backward) and
 do not consult this model.
 """
@@ -29,10 +36,11 @@ import torch.fx as fx
 
 from fxrec.graph import meta
 
-__all__ = ["CPU_GROUP_ELEMS", "CPU_MEMBER_ELEMS", "cache_reason", "chunks"]
+__all__ = ["CPU_CHUNK_ELEMS", "CPU_GROUP_ELEMS", "CPU_MEMBER_ELEMS", "cache_reason", "chunks"]
 
 CPU_MEMBER_ELEMS = 32 * 1024
-CPU_GROUP_ELEMS = 1024 * 1024
+CPU_GROUP_ELEMS = 4 * 1024 * 1024
+CPU_CHUNK_ELEMS = 1024 * 1024
 
 
 def _numel(node: fx.Node) -> int | None:
@@ -76,7 +84,7 @@ def chunks(group: Sequence[fx.Node], device_type: str) -> list[list[fx.Node]]:
     sizes = [_numel(n) for n in group]
     if any(s is None for s in sizes) or sum(sizes) <= CPU_GROUP_ELEMS:  # type: ignore[arg-type]
         return [list(group)]
-    per = max(2, CPU_GROUP_ELEMS // max(sizes))  # type: ignore[type-var]
+    per = max(2, CPU_CHUNK_ELEMS // max(sizes))  # type: ignore[type-var]
     ordered = sorted(group, key=meta.program_order)
     parts = [ordered[i : i + per] for i in range(0, len(ordered), per)]
     if len(parts) > 1 and len(parts[-1]) < 2:  # a lone member: give it to the chunk before

@@ -44,9 +44,18 @@ def test_a_large_group_of_small_members_is_cut_into_chunks_on_cpu() -> None:
     assert cost.chunks(group[:8], "cpu") == [group[:8]]
 
 
+def test_a_group_within_the_heap_limit_stays_whole_on_cpu() -> None:
+    # 100 members of 1024 x 32 (3.2 Mi elements fused): chunks would be strided slices
+    # copied in and joined by a cat, which costs more than they save.
+    group = _nodes(*[(1024, 32)] * 100)
+    assert cost.chunks(group, "cpu") == [group]
+    over = _nodes(*[(1024, 32)] * 129)  # just past CPU_GROUP_ELEMS
+    assert len(cost.chunks(over, "cpu")) > 1
+
+
 def test_chunks_never_leave_a_lone_member() -> None:
-    group = _nodes(*[(2048, 16)] * 33)
-    assert [len(p) for p in cost.chunks(group, "cpu")] == [33]  # 32 + 1 -> one chunk of 33
+    group = _nodes(*[(2048, 16)] * 129)  # 4 chunks of 32 + 1 -> the last chunk takes 33
+    assert [len(p) for p in cost.chunks(group, "cpu")] == [32, 32, 32, 33]
 
 
 def test_unknown_sizes_give_no_evidence() -> None:
