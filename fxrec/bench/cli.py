@@ -185,6 +185,9 @@ def run_cli(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     )
     names = _chosen(args, parser)
     _check_device(args.device, parser)
+    from fxrec.bench.common import keep_freed_memory
+
+    keep_freed_memory()
     if args.only and "graph" not in names:
         parser.error("--only selects cases of the graph section; add 'graph' to the sections")
     if args.out:

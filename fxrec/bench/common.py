@@ -22,6 +22,7 @@ logger = logging.getLogger("fxrec.bench")
 
 __all__ = [
     "interleaved_medians",
+    "keep_freed_memory",
     "interleaved_samples",
     "percentile",
     "print_table",
@@ -29,6 +30,39 @@ __all__ = [
     "write_json",
     "sync",
 ]
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameter numbers
+_MMAP_THRESHOLD_MAX = 32 << 20  # glibc refuses larger values on 64-bit
+
+
+def keep_freed_memory() -> bool:
+    """Keep memory freed by tensors in the process (glibc ``mallopt``); True if set.
+
+    By default glibc maps each block above a moving threshold afresh and gives the top of
+    the heap back to the kernel as soon as a step's peak has passed, so every training step
+    faults its large buffers (gradients of whole tables, activations of fused layers) back in.
+    On a virtual machine that reports freed pages to its host this costs tens of milliseconds
+    per buffer, at random, and swamps the differences a benchmark compares. Production CPU
+    training keeps freed memory (jemalloc, tcmalloc); this does the same with glibc's
+    allocator: blocks up to 32 MiB come from the heap, and the heap is never trimmed. It
+    changes nothing but where memory comes from, for every variant alike.
+    """
+    import ctypes
+    import ctypes.util
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False  # not glibc (e.g. musl): nothing to set
+    ok = bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX))
+    ok = bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1)) and ok
+    logger.debug("glibc mallopt: mmap threshold 32 MiB, no trim -> %s", ok)
+    return ok
 
 
 def sync(device: str | torch.device = "cpu") -> None:

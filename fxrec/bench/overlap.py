@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 import fxrec
-from fxrec.bench.common import percentile, print_table, write_json
+from fxrec.bench.common import keep_freed_memory, percentile, print_table, write_json
 from fxrec.distributed import comm, init_distributed, shard
 from fxrec.sparse import KeyedJaggedTensor
 
@@ -87,6 +87,7 @@ def main(argv: list[str] | None = None) -> None:
     steps = args.steps or (10 if args.quick else 60)
 
     torch.set_num_threads(THREADS_PER_RANK)
+    keep_freed_memory()
     init_distributed("gloo", timeout=args.timeout)
     rank, world = dist.get_rank(), dist.get_world_size()
     from fxrec.nn import EmbeddingBagCollection, EmbeddingBagConfig
