@@ -1,12 +1,13 @@
 """Benchmark section: train pipelines x input type x fxrec on/off (seed 002).
 
 A ranking model with many tables (``fxrec.EmbeddingBagCollection`` for unweighted and for
-weighted features, a dense arch, an over arch) trains on synthetic batches whose ids per bag
-follow a Poisson law around a per-feature mean drawn from a Zipf-like profile (a few heavy
-features, many light ones) and whose ids are Zipf-distributed over each table's rows. Each
-step the data loader collates per-feature arrays into a ``KeyedJaggedTensor`` or a
-``TensorDict`` of jagged tensors (real host work every loader does; the TensorDict is built
-with :func:`fxrec.sparse.tensordict_from_jagged`, one NJT per feature over the raw arrays).
+weighted features, a LayerNorm and Tanh per unweighted feature, a dense arch, an over arch)
+trains on synthetic batches whose ids per bag follow a Poisson law around a per-feature mean
+drawn from a Zipf-like profile (a few heavy features, many light ones) and whose ids are
+Zipf-distributed over each table's rows. Each step the data loader collates per-feature
+arrays into a ``KeyedJaggedTensor`` or a ``TensorDict`` of jagged tensors (real host work
+every loader does; the TensorDict is built with :func:`fxrec.sparse.tensordict_from_jagged`,
+one NJT per feature over the raw arrays).
 
 Variants, all on the same model weights and the same batches, run interleaved round by round:
 
@@ -46,7 +47,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from fxrec.bench.common import percentile, print_table, results_dir, write_json
+from fxrec.bench.common import (
+    keep_freed_memory,
+    percentile,
+    print_table,
+    results_dir,
+    write_json,
+)
 from fxrec.sparse import KeyedJaggedTensor, kjt_from_tensordict, tensordict_from_jagged
 from fxrec.train import Batch, TrainPipelineBase, TrainPipelineSparseDist
 
@@ -77,12 +84,19 @@ FULL = BenchConfig(100, 10, 10000, 32, 1024, 13, 8, 6, 10, 3)
 
 
 class PipelineRankingModel(nn.Module):
-    """Unweighted + weighted embedding collections, a dense arch and an over arch."""
+    """Unweighted + weighted embedding collections, per-feature processing, two arches.
+
+    Each unweighted feature's pooled embedding goes through its own LayerNorm and Tanh: the
+    post-lookup chain of seed 000 that fxrec fuses horizontally. The loop indexes the split
+    (not ``zip``) so that :func:`~fxrec.passes.combine_inputs.combine_inputs` can trace it.
+    """
 
     def __init__(self, cfg: BenchConfig, ebc: nn.Module, webc: nn.Module) -> None:
         super().__init__()
         self.ebc = ebc
         self.webc = webc
+        self.dims = [cfg.dim] * cfg.tables
+        self.norms = nn.ModuleList(nn.LayerNorm(cfg.dim) for _ in range(cfg.tables))
         self.dense_arch = nn.Sequential(nn.Linear(cfg.dense_in, 64), nn.ReLU(), nn.Linear(64, 32))
         width = 32 + cfg.dim * (cfg.tables + cfg.weighted_tables)
         self.over_arch = nn.Sequential(nn.Linear(width, 128), nn.ReLU(), nn.Linear(128, 1))
@@ -90,6 +104,8 @@ class PipelineRankingModel(nn.Module):
     def forward(self, dense: torch.Tensor, features: Any, weighted_features: Any) -> torch.Tensor:
         d = self.dense_arch(dense)
         e = self.ebc(features).values()
+        parts = torch.split(e, self.dims, dim=1)
+        e = torch.cat([torch.tanh(norm(parts[i])) for i, norm in enumerate(self.norms)], dim=1)
         w = self.webc(weighted_features).values()
         return self.over_arch(torch.cat([d, e, w], dim=1))
 
@@ -371,12 +387,16 @@ class _TorchRecModel(nn.Module):
     def __init__(self, base: PipelineRankingModel, ebc: nn.Module, webc: nn.Module) -> None:
         super().__init__()
         self.ebc, self.webc = ebc, webc
+        self.dims = list(base.dims)
+        self.norms = copy.deepcopy(base.norms)
         self.dense_arch = copy.deepcopy(base.dense_arch)
         self.over_arch = copy.deepcopy(base.over_arch)
 
     def forward(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
         d = self.dense_arch(batch.dense)
         e = self.ebc(batch.sparse).values()
+        parts = torch.split(e, self.dims, dim=1)
+        e = torch.cat([torch.tanh(norm(parts[i])) for i, norm in enumerate(self.norms)], dim=1)
         w = self.webc(batch.wsparse).values()
         logits = self.over_arch(torch.cat([d, e, w], dim=1)).view(-1)
         loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
@@ -705,6 +725,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    keep_freed_memory()
     run(quick=args.quick, device=args.device)
 
 
