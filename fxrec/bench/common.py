@@ -22,8 +22,8 @@ logger = logging.getLogger("fxrec.bench")
 
 __all__ = [
     "interleaved_medians",
-    "keep_freed_memory",
     "interleaved_samples",
+    "keep_freed_memory",
     "percentile",
     "print_table",
     "results_dir",

@@ -86,9 +86,8 @@ FULL = BenchConfig(100, 10, 10000, 32, 1024, 13, 8, 6, 10, 3)
 class PipelineRankingModel(nn.Module):
     """Unweighted + weighted embedding collections, per-feature processing, two arches.
 
-    Each unweighted feature's pooled embedding goes through its own LayerNorm and Tanh: the
-    post-lookup chain of seed 000 that fxrec fuses horizontally. The loop indexes the split
-    (not ``zip``) so that :func:`~fxrec.passes.combine_inputs.combine_inputs` can trace it.
+    Each unweighted feature's pooled embedding goes through its own LayerNorm and Tanh
+    (:func:`_per_feature`): the post-lookup chain of seed 000 that fxrec fuses horizontally.
     """
 
     def __init__(self, cfg: BenchConfig, ebc: nn.Module, webc: nn.Module) -> None:
@@ -103,11 +102,19 @@ class PipelineRankingModel(nn.Module):
 
     def forward(self, dense: torch.Tensor, features: Any, weighted_features: Any) -> torch.Tensor:
         d = self.dense_arch(dense)
-        e = self.ebc(features).values()
-        parts = torch.split(e, self.dims, dim=1)
-        e = torch.cat([torch.tanh(norm(parts[i])) for i, norm in enumerate(self.norms)], dim=1)
+        e = _per_feature(self.ebc(features).values(), self.dims, self.norms)
         w = self.webc(weighted_features).values()
         return self.over_arch(torch.cat([d, e, w], dim=1))
+
+
+def _per_feature(pooled: torch.Tensor, dims: list[int], norms: nn.ModuleList) -> torch.Tensor:
+    """``tanh(norm_k(pooled_k))`` for each feature k, joined again.
+
+    The loop indexes the split (not ``zip``) so that symbolic tracing, which
+    :func:`~fxrec.passes.combine_inputs.combine_inputs` needs, can follow it.
+    """
+    parts = torch.split(pooled, dims, dim=1)
+    return torch.cat([torch.tanh(norm(parts[i])) for i, norm in enumerate(norms)], dim=1)
 
 
 class _PairInput(nn.Module):
@@ -394,9 +401,7 @@ class _TorchRecModel(nn.Module):
 
     def forward(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
         d = self.dense_arch(batch.dense)
-        e = self.ebc(batch.sparse).values()
-        parts = torch.split(e, self.dims, dim=1)
-        e = torch.cat([torch.tanh(norm(parts[i])) for i, norm in enumerate(self.norms)], dim=1)
+        e = _per_feature(self.ebc(batch.sparse).values(), self.dims, self.norms)
         w = self.webc(batch.wsparse).values()
         logits = self.over_arch(torch.cat([d, e, w], dim=1)).view(-1)
         loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
