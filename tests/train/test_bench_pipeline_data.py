@@ -77,3 +77,35 @@ def test_goal_verdicts_follow_the_throughputs():
     assert got[f"{sd} faster than {bs} (td, fxrec on)"] is False
     assert got[f"fxrec on faster than off ({bs}, kjt)"] is False
     assert got[f"fxrec on faster than off ({sd}, td)"] is True
+
+
+def test_fxrec_on_variant_computes_the_model_and_fuses_its_per_feature_chain():
+    # What "fxrec on" runs: combine_inputs (symbolic tracing of the model) then optimize.
+    import copy
+
+    import fxrec
+    from fxrec.bench.pipeline import PipelineRankingModel, _collections
+    from fxrec.passes.combine_inputs import combine_inputs
+
+    cfg = small_cfg()
+    torch.manual_seed(0)
+    model = PipelineRankingModel(cfg, *_collections(cfg))
+    keys, wkeys, raws = make_dataset(cfg, seed=5)
+    for kind in ("kjt", "td"):
+        loader = _Loader(keys, wkeys, raws, kind)
+        b = next(loader)
+        combined, packer = combine_inputs(copy.deepcopy(model), (b.dense, *b.sparse))
+        opt = fxrec.optimize(combined, packer(b.dense, *b.sparse))
+        fired = {f.rule for f in opt.fxrec_report.firings}
+        assert {"parallel_layer_norm", "parallel_unary"} <= fired
+        b = next(loader)  # a fresh batch
+        want = model(b.dense, *b.sparse)
+        got = opt(*packer(b.dense, *b.sparse))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        model.zero_grad()
+        opt.zero_grad()
+        want.square().sum().backward()
+        got.square().sum().backward()
+        grads = opt.fxrec_fused.grads(combined)  # members' gradients through the flat layout
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-5)
