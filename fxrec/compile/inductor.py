@@ -59,12 +59,24 @@ def _source_files(rules: Iterable[Rule]) -> list[Path]:
     return sorted(files)
 
 
+def _device_type(graph: fx.Graph) -> str:
+    """The device of the graph's first tensor input, from the metadata dynamo left on it."""
+    for node in graph.find_nodes(op="placeholder"):
+        v = node.meta.get("example_value", node.meta.get("val"))
+        if isinstance(v, torch.Tensor):
+            return v.device.type
+    return "cpu"
+
+
 class FxrecInductorPass(CustomGraphPass):
     """fxrec's rules as ``torch._inductor.config.pre_grad_custom_pass``.
 
-    Parameters reach pre-grad graphs as inputs, so fused weights are gathered in the
-    graph. The pass edits the graph it is given in place (its identity never changes):
-    on an unexpected rule error the graph stays exactly as it came (strict mode raises).
+    Parameters reach pre-grad graphs as inputs, so fused weights would be gathered in the
+    graph; on a CPU, where Inductor's own code leaves little launch cost to save, the cost
+    model refuses every set that would copy weights or separate inputs together
+    (:func:`fxrec.graph.cost.copy_reason`). The pass edits the graph it is given in place
+    (its identity never changes): on an unexpected rule error the graph stays exactly as it
+    came (strict mode raises).
     """
 
     def __init__(self, rules: RuleSpec = None, *, exclude: Iterable[str] = ()) -> None:
@@ -93,7 +105,13 @@ class FxrecInductorPass(CustomGraphPass):
         t0 = time.perf_counter()
         work = fx.GraphModule(gm, _copy(graph), type(gm).__name__)
         copied, fired = work.graph, len(self.report.firings)
-        optimize_graph(work, self.rules, report=self.report)
+        optimize_graph(
+            work,
+            self.rules,
+            report=self.report,
+            device_type=_device_type(graph),
+            inside_inductor=True,
+        )
         if work.graph is not copied or len(self.report.firings) == fired:
             return  # nothing fired, or a rule failed (and said why): the graph stays as is
         _replace_contents(gm, graph, work)

@@ -88,6 +88,7 @@ class RewriteContext:
         params: ParamStore,
         device_type: str = "cpu",
         runs_eagerly: bool = False,
+        inside_inductor: bool = False,
     ) -> None:
         self.gm = gm
         self.graph = gm.graph
@@ -95,6 +96,7 @@ class RewriteContext:
         self.params = params
         self.device_type = device_type
         self.runs_eagerly = runs_eagerly  # no later tracing: ops without fake kernels are fine
+        self.inside_inductor = inside_inductor  # Inductor's pre-grad pass: params are inputs
         self._modules: dict[str, nn.Module] = {}
         self._caches: dict[Callable[[fx.Node], Any], NodeCache[Any]] = {}
         self._batching = False

@@ -42,8 +42,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from fxrec.graph import meta
+from fxrec.graph.cost import copy_reason
 from fxrec.graph.horizontal import Gathered, gather, scatter
-from fxrec.graph.pieces import piece_of
+from fxrec.graph.pieces import contiguous_range, piece_of
 from fxrec.graph.refs import Ref, combined, laid_out_or_can_be, param_info, param_node, ref_key
 from fxrec.graph.rule import HorizontalRule, RewriteContext, register
 
@@ -262,7 +263,10 @@ class FuseParallelLayerNorm(HorizontalRule):
     def refuse_reason(self, group: Sequence[fx.Node], ctx: RewriteContext) -> str | None:
         lns = [layer_norm_call(n, ctx) for n in group]
         k = len(lns[0].normalized_shape)  # type: ignore[union-attr]
-        if _layout([ln.input for ln in lns], k) is None and len(group) < MIN_SEPARATE_MEMBERS:  # type: ignore[union-attr]
+        separate = _layout([ln.input for ln in lns], k) is None  # type: ignore[union-attr]
+        if separate and (reason := copy_reason(ctx, f"{len(group)} separate inputs")):
+            return reason
+        if separate and len(group) < MIN_SEPARATE_MEMBERS:
             return (
                 f"{len(group)} LayerNorms on separate tensors: the stack costs what fusing saves "
                 f"(needs {MIN_SEPARATE_MEMBERS}+)"
@@ -408,6 +412,8 @@ class FuseParallelBatchNorm(HorizontalRule):
                     f"{field} cannot be laid out once (keep_params, graph inputs or already "
                     "fused): the fused update would not reach the members' buffers"
                 )
+        if contiguous_range([b.input for b in bns]) is None:
+            return copy_reason(ctx, f"{len(group)} separate inputs")
         return None
 
     def fuse(self, group: Sequence[fx.Node], ctx: RewriteContext) -> None:

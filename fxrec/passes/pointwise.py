@@ -20,6 +20,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
+from fxrec.graph.cost import copy_reason
 from fxrec.graph.effects import mutates_input, written_in_place
 from fxrec.graph.horizontal import Gathered, gather, scatter
 from fxrec.graph.pieces import contiguous_range
@@ -199,7 +200,11 @@ class FuseParallelUnary(HorizontalRule):
         ):
             return "dropout in training mode: one fused mask draws different random numbers"
         inputs = [unary_op(n, ctx).input for n in group]  # type: ignore[union-attr]
-        if contiguous_range(inputs) is None and len(group) < 3:
+        if contiguous_range(inputs) is not None:
+            return None
+        if reason := copy_reason(ctx, f"{len(group)} separate inputs"):
+            return reason
+        if len(group) < 3:
             return "two separate inputs: a cat costs as much as the launch it saves"
         return None
 
@@ -312,6 +317,8 @@ class FuseParallelBinary(HorizontalRule):
             and contiguous_range([getattr(o, side) for o in ops]) is None
             for side in ("lhs", "rhs")
         )
+        if copies and (reason := copy_reason(ctx, f"{copies} operand(s) of {len(group)} members")):
+            return reason
         if copies and len(group) < 2 + 2 * copies:
             return f"{copies} operand(s) need a cat: {len(group)} members do not pay for it"
         return None

@@ -6,6 +6,7 @@ Inductor's C++ build is slow on 2 shared cores, so compiles here are few and tin
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -66,6 +67,41 @@ def test_pass_on_a_dynamo_graph() -> None:
     for node in graph.nodes:
         if node.op == "call_function":
             assert "example_value" in node.meta, node.name
+
+
+def four_towers(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    # Separate inputs (x @ w_i): fusing their LayerNorms and tanhs needs a stack per step.
+    hs = [F.layer_norm(x @ w[i], (8,)) for i in range(4)]
+    return torch.cat([h.tanh() for h in hs], 1)
+
+
+def test_on_cpu_sets_that_copy_separate_inputs_are_left_to_inductor() -> None:
+    x, w = torch.randn(3, 8), torch.randn(4, 8, 8)
+    gm, inputs = dynamo_graph(four_towers, x, w)
+    p = fxrec.inductor_pass()
+    p(gm.graph)
+    assert p.report.count() == 0  # Inductor fuses each tower's chain itself: no stack pays
+    left = {r.rule: r.reason for r in p.report.refusals}
+    assert "inside Inductor on CPU" in left["parallel_layer_norm"]
+    torch.testing.assert_close(gm(*inputs)[0], four_towers(x, w))
+    # Pieces of one tensor copy nothing: the seed pattern still fuses (test above).
+    eager = optimize_graph_eagerly(dynamo_graph(four_towers, x, w)[0])
+    assert eager.count("parallel_layer_norm") == 1  # outside Inductor the stack pays
+
+
+def optimize_graph_eagerly(gm: fx.GraphModule) -> Any:
+    from fxrec.graph.optimize_graph import optimize_graph, resolve_rules
+
+    return optimize_graph(gm, resolve_rules(), runs_eagerly=True)
+
+
+def test_device_type_comes_from_the_graph_inputs() -> None:
+    from fxrec.compile.inductor import _device_type
+
+    g = fx.Graph()
+    g.placeholder("x").meta["example_value"] = torch.empty(2, 3, device="meta")
+    assert _device_type(g) == "meta"
+    assert _device_type(fx.Graph()) == "cpu"
 
 
 def test_nodes_without_metadata_are_skipped_with_a_reason() -> None:
