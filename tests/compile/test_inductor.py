@@ -6,7 +6,6 @@ Inductor's C++ build is slow on 2 shared cores, so compiles here are few and tin
 from __future__ import annotations
 
 import copy
-from typing import Any
 
 import pytest
 import torch
@@ -84,15 +83,12 @@ def test_on_cpu_sets_that_copy_separate_inputs_are_left_to_inductor() -> None:
     left = {r.rule: r.reason for r in p.report.refusals}
     assert "inside Inductor on CPU" in left["parallel_layer_norm"]
     torch.testing.assert_close(gm(*inputs)[0], four_towers(x, w))
-    # Pieces of one tensor copy nothing: the seed pattern still fuses (test above).
-    eager = optimize_graph_eagerly(dynamo_graph(four_towers, x, w)[0])
-    assert eager.count("parallel_layer_norm") == 1  # outside Inductor the stack pays
-
-
-def optimize_graph_eagerly(gm: fx.GraphModule) -> Any:
+    # Outside Inductor the stack pays; inside, pieces of one tensor (four_tanh above) copy
+    # nothing and still fuse.
     from fxrec.graph.optimize_graph import optimize_graph, resolve_rules
 
-    return optimize_graph(gm, resolve_rules(), runs_eagerly=True)
+    eager = optimize_graph(dynamo_graph(four_towers, x, w)[0], resolve_rules(), runs_eagerly=True)
+    assert eager.count("parallel_layer_norm") == 1
 
 
 def test_device_type_comes_from_the_graph_inputs() -> None:
