@@ -137,6 +137,7 @@ def compile_backend(
     """
     inner_fn = inner_backend(inner)
     eager = isinstance(inner, str) and inner == "eager"
+    inner_is_inductor = isinstance(inner, str) and inner == "inductor"
     rule_list = resolve_rules(rules)
     rep = report if report is not None else Report(capture="dynamo")
     graphs: list[GraphRecord] = []
@@ -148,7 +149,13 @@ def compile_backend(
             gm, keep = lift_params_to_attrs(gm, example_inputs, model)
         device = next((t.device.type for t in example_inputs if isinstance(t, torch.Tensor)), "cpu")
         optimize_graph(
-            gm, rule_list, owner=owner, report=rep, device_type=device, runs_eagerly=eager
+            gm,
+            rule_list,
+            owner=owner,
+            report=rep,
+            device_type=device,
+            runs_eagerly=eager,
+            for_inductor=inner_is_inductor,
         )
         fill_example_values(gm)
         if keep is None:

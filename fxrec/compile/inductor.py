@@ -110,7 +110,7 @@ class FxrecInductorPass(CustomGraphPass):
             self.rules,
             report=self.report,
             device_type=_device_type(graph),
-            inside_inductor=True,
+            for_inductor=True,
         )
         if work.graph is not copied or len(self.report.firings) == fired:
             return  # nothing fired, or a rule failed (and said why): the graph stays as is

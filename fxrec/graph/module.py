@@ -172,6 +172,7 @@ class OptimizedModule(nn.Module):
             report=report,
             device_type=_device_type(args),
             runs_eagerly=self._backend == "eager",
+            for_inductor=self._backend == "inductor",
         )
         if self._check and not _same_outputs(self.model, gm, args, reference):
             logger.warning(

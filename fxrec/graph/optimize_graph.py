@@ -83,15 +83,15 @@ def optimize_graph(
     report: Report | None = None,
     device_type: str = "cpu",
     runs_eagerly: bool = False,
-    inside_inductor: bool = False,
+    for_inductor: bool = False,
 ) -> Report:
     """Run ``rules`` on ``gm`` in place to a fixed point; return the report.
 
     ``runs_eagerly``: the rewritten graph is run as is, never traced again (by AOTAutograd,
     Inductor or export), so rules may use ops that only have real kernels (fbgemm's CPU
-    table-batched lookup has no fake one). ``inside_inductor``: the graph is Inductor's
-    pre-grad graph, which Inductor compiles next (the cost model of :mod:`fxrec.graph.cost`
-    weighs copies differently there).
+    table-batched lookup has no fake one). ``for_inductor``: Inductor compiles the
+    rewritten graph next (its pre-grad pass, or an Inductor inner backend); the cost model of
+    :mod:`fxrec.graph.cost` weighs copies and batched GEMMs differently there.
 
     On an unexpected error the graph is left as it was captured (unless strict mode is on),
     and the report says what failed: optimizing never crashes a model it does not understand.
@@ -103,7 +103,7 @@ def optimize_graph(
     before = len(gm.graph.nodes)
     with _gc_paused():
         passes_s = _optimize_in_place(
-            gm, rules, owner, report, device_type, runs_eagerly, inside_inductor
+            gm, rules, owner, report, device_type, runs_eagerly, for_inductor
         )
     report.nodes_before += before
     report.nodes_after += len(gm.graph.nodes)
@@ -123,7 +123,7 @@ def _optimize_in_place(
     report: Report,
     device_type: str,
     runs_eagerly: bool,
-    inside_inductor: bool,
+    for_inductor: bool,
 ) -> float:
     """:func:`optimize_graph`'s work: rules, then lint and recompile; the backup on failure.
 
@@ -131,7 +131,7 @@ def _optimize_in_place(
     """
     backup = _Snapshot(gm.graph)
     params = ParamStore(gm, owner)
-    ctx = RewriteContext(gm, report, params, device_type, runs_eagerly, inside_inductor)
+    ctx = RewriteContext(gm, report, params, device_type, runs_eagerly, for_inductor)
     meta.stamp_program_order(gm.graph)
     t0 = time.perf_counter()
     try:

@@ -15,7 +15,7 @@ import torch
 import torch.fx as fx
 
 from fxrec.graph import meta
-from fxrec.graph.cost import copies_refused
+from fxrec.graph.cost import inductor_on_cpu
 from fxrec.graph.rule import RewriteContext
 
 __all__ = [
@@ -94,8 +94,8 @@ def gather_cost_reason(
     torch.stack each step, and the matching split of the gradient), it copies every weight
     twice per step; that pays only while the weights are small next to the activations the
     layer touches anyway (one fused launch saves N-1 launches, a weight copy costs memory
-    bandwidth proportional to its size). Inside Inductor on a CPU a launch saves little, so
-    any gather is refused there (:func:`fxrec.graph.cost.copies_refused`).
+    bandwidth proportional to its size). When Inductor compiles the graph for a CPU a launch
+    saves little, so any gather is refused there (:func:`fxrec.graph.cost.inductor_on_cpu`).
     """
     gathered = 0
     for group in refs:
@@ -106,9 +106,9 @@ def gather_cost_reason(
         for r in group:
             ti = param_info(ctx, r)
             gathered += ti.numel() if ti is not None else 0
-    if gathered and copies_refused(ctx):
+    if gathered and inductor_on_cpu(ctx):
         return (
-            f"inside Inductor on CPU: parameters would be gathered in-graph every step "
+            f"Inductor on CPU: parameters would be gathered in-graph every step "
             f"({gathered} elements), and there is little launch cost to save"
         )
     if gathered > activation_elems:

@@ -88,7 +88,7 @@ class RewriteContext:
         params: ParamStore,
         device_type: str = "cpu",
         runs_eagerly: bool = False,
-        inside_inductor: bool = False,
+        for_inductor: bool = False,
     ) -> None:
         self.gm = gm
         self.graph = gm.graph
@@ -96,7 +96,7 @@ class RewriteContext:
         self.params = params
         self.device_type = device_type
         self.runs_eagerly = runs_eagerly  # no later tracing: ops without fake kernels are fine
-        self.inside_inductor = inside_inductor  # Inductor's pre-grad pass: params are inputs
+        self.for_inductor = for_inductor  # Inductor compiles the rewritten graph next
         self._modules: dict[str, nn.Module] = {}
         self._caches: dict[Callable[[fx.Node], Any], NodeCache[Any]] = {}
         self._batching = False

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fxrec.graph import meta
+from fxrec.graph.cost import inductor_on_cpu
 from fxrec.graph.effects import written_in_place
 from fxrec.graph.horizontal import Gathered, scatter
 from fxrec.graph.pieces import piece_of
@@ -262,6 +263,8 @@ class FuseLinearBatched(HorizontalRule):
         inputs = [lc.input for lc in lcs]
         if len(set(inputs)) == 1:
             return "all members read one input: one Linear over concatenated weights is cheaper"
+        if inductor_on_cpu(ctx):
+            return "Inductor on CPU: its N GEMMs run faster than one bmm over the stacked members"
         ti = ctx.info(inputs[0])
         wi = param_info(ctx, lcs[0].weight)
         assert ti is not None and wi is not None

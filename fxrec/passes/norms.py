@@ -264,7 +264,7 @@ class FuseParallelLayerNorm(HorizontalRule):
         lns = [layer_norm_call(n, ctx) for n in group]
         k = len(lns[0].normalized_shape)  # type: ignore[union-attr]
         separate = _layout([ln.input for ln in lns], k) is None  # type: ignore[union-attr]
-        if separate and (reason := copy_reason(ctx, f"{len(group)} separate inputs")):
+        if separate and (reason := copy_reason(ctx, len(group), "separate inputs")):
             return reason
         if separate and len(group) < MIN_SEPARATE_MEMBERS:
             return (
@@ -413,7 +413,7 @@ class FuseParallelBatchNorm(HorizontalRule):
                     "fused): the fused update would not reach the members' buffers"
                 )
         if contiguous_range([b.input for b in bns]) is None:
-            return copy_reason(ctx, f"{len(group)} separate inputs")
+            return copy_reason(ctx, len(group), "separate inputs")
         return None
 
     def fuse(self, group: Sequence[fx.Node], ctx: RewriteContext) -> None:

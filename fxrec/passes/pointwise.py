@@ -202,7 +202,7 @@ class FuseParallelUnary(HorizontalRule):
         inputs = [unary_op(n, ctx).input for n in group]  # type: ignore[union-attr]
         if contiguous_range(inputs) is not None:
             return None
-        if reason := copy_reason(ctx, f"{len(group)} separate inputs"):
+        if reason := copy_reason(ctx, len(group), "separate inputs"):
             return reason
         if len(group) < 3:
             return "two separate inputs: a cat costs as much as the launch it saves"
@@ -317,7 +317,7 @@ class FuseParallelBinary(HorizontalRule):
             and contiguous_range([getattr(o, side) for o in ops]) is None
             for side in ("lhs", "rhs")
         )
-        if copies and (reason := copy_reason(ctx, f"{copies} operand(s) of {len(group)} members")):
+        if copies and (reason := copy_reason(ctx, len(group), f"{copies} operand(s)")):
             return reason
         if copies and len(group) < 2 + 2 * copies:
             return f"{copies} operand(s) need a cat: {len(group)} members do not pay for it"
