@@ -37,7 +37,7 @@ that would copy their inputs together (:func:`inductor_on_cpu`, :func:`copy_reas
 Measured against ``torch.compile``: parallel towers (8 members) through the pre-grad pass
 0.65x with those fusions, 0.99x without, and through ``backend="inductor"`` 0.78x with the
 batched GEMMs, 1.08x without; the ranking model's 104 per-feature LayerNorms still pay for
-their copy (1.5x of ``torch.compile`` without that fusion, 1.8x with it). Fusions over
+their copy (1.5x of ``torch.compile`` without that fusion, 1.6-1.7x with it). Fusions over
 pieces of one tensor copy nothing and stay (the seed pattern: 1.35x).
 """
 
