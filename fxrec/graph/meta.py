@@ -312,15 +312,22 @@ def _flatten_info(args: tuple) -> TensorInfo | None:
     return _with_shape(ti, (*ti.shape[:a], math.prod(ti.shape[a : b + 1]), *ti.shape[b + 1 :]))
 
 
+def _int_sizes(sizes: Any, lowest: int) -> bool:
+    """A non-empty list or tuple of plain ints, none below ``lowest``."""
+    return (
+        isinstance(sizes, (list, tuple))
+        and bool(sizes)
+        and all(type(n) is int and n >= lowest for n in sizes)
+    )
+
+
 def _unflatten_info(args: tuple) -> TensorInfo | None:
     """``x.unflatten(dim, sizes)`` with at most one ``-1`` among the sizes."""
     if len(args) != 3:
         return None
     x, dim, sizes = args
     at = _at_dim(x, dim)
-    if at is None or not isinstance(sizes, (list, tuple)) or not sizes:
-        return None
-    if any(type(n) is not int or n < -1 for n in sizes) or list(sizes).count(-1) > 1:
+    if at is None or not _int_sizes(sizes, -1) or list(sizes).count(-1) > 1:
         return None
     ti, d = at
     known, total = math.prod(n for n in sizes if n != -1), ti.shape[d]
@@ -339,9 +346,7 @@ def _split_info(args: tuple) -> tuple[TensorInfo, ...] | None:
         return None
     x, sizes, dim = args
     at = _at_dim(x, dim)
-    if at is None or not isinstance(sizes, (list, tuple)) or not sizes:
-        return None
-    if any(type(n) is not int or n < 0 for n in sizes):
+    if at is None or not _int_sizes(sizes, 0):
         return None
     ti, d = at
     if sum(sizes) != ti.shape[d]:
