@@ -40,6 +40,7 @@ import logging
 import os
 import statistics
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -220,19 +221,41 @@ def _collate_td(keys: list[str], raw: _RawBatch, sl: slice, weighted: bool) -> A
 
 
 class _Loader:
-    """Cycles through the raw batches, collating each into the chosen input type."""
+    """Cycles through the raw batches, giving each as the chosen input type.
 
-    def __init__(self, keys: list[str], wkeys: list[str], raws: list[_RawBatch], kind: str) -> None:
+    ``pregenerate=n``: the first ``n`` batches are built before the timed steps, each a fresh
+    object (KJT: over one buffer per raw batch, collated once; TensorDict: NJTs over the raw
+    arrays), as TorchRec's pipeline benchmark feeds pregenerated inputs; the steps then time
+    the pipeline, not the loader. Later batches, and all with ``n=0``, are collated in
+    ``__next__`` (time in ``host_s``).
+    """
+
+    def __init__(
+        self,
+        keys: list[str],
+        wkeys: list[str],
+        raws: list[_RawBatch],
+        kind: str,
+        pregenerate: int = 0,
+    ) -> None:
         self.keys, self.wkeys, self.raws, self.kind = keys, wkeys, raws, kind
         self.i = 0
         self.host_s = 0.0
         self.collate = _collate_td if kind == "td" else _collate_kjt
+        self._ready: deque[Batch] = deque()
+        if pregenerate:
+            self._ready.extend(self._pregenerated(pregenerate))
 
     def __iter__(self) -> Iterator[Batch]:
         return self
 
     def __next__(self) -> Batch:
         t0 = time.perf_counter()
+        batch = self._ready.popleft() if self._ready else self._collate_next()
+        self.host_s += time.perf_counter() - t0
+        return batch
+
+    def _collate_next(self) -> Batch:
         raw = self.raws[self.i % len(self.raws)]
         self.i += 1
         n = len(self.keys)
@@ -240,9 +263,40 @@ class _Loader:
             self.collate(self.keys, raw, slice(0, n), False),
             self.collate(self.wkeys, raw, slice(n, None), True),
         )
-        batch = Batch(raw.dense, sparse, raw.labels)
-        self.host_s += time.perf_counter() - t0
-        return batch
+        return Batch(raw.dense, sparse, raw.labels)
+
+    def _pregenerated(self, count: int) -> list[Batch]:
+        if self.kind == "td":
+            return [self._collate_next() for _ in range(count)]
+        first = [self._collate_next() for _ in range(min(count, len(self.raws)))]
+        self.i = count  # the raw batch the next collation takes, as if all were collated
+        return [  # fresh KJTs over the first collation's buffers
+            Batch(b.dense, tuple(_fresh_kjt(k) for k in b.sparse), b.labels)
+            for b in (first[j % len(first)] for j in range(count))
+        ]
+
+
+def _fresh_kjt(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+    """A new KJT object (no cached offsets) over ``kjt``'s tensors."""
+    return KeyedJaggedTensor(
+        kjt.keys(),
+        kjt.values(),
+        kjt.weights_or_none(),
+        lengths=kjt.lengths(),
+        stride=kjt.stride(),
+    )
+
+
+def _collate_ms(data: Any, kind: str, reps: int = 7) -> float:
+    """Median time the loader takes to collate one batch into ``kind`` (measured apart)."""
+    keys, wkeys, raws = data
+    loader = _Loader(keys, wkeys, raws, kind)
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        next(loader)
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples) * 1e3
 
 
 # -- memory ------------------------------------------------------------------------------------
@@ -285,9 +339,10 @@ def _fxrec_variant(
     data: Any,
     device: torch.device,
     lr: float,
+    pregenerate: int,
 ) -> _Variant:
     keys, wkeys, raws = data
-    loader = _Loader(keys, wkeys, raws, kind)
+    loader = _Loader(keys, wkeys, raws, kind, pregenerate)
     model = copy.deepcopy(base).to(device)
     host_fn = None
     if on:
@@ -330,10 +385,9 @@ def _fxrec_variant(
 class _TorchRecLoader(_Loader):
     """The same raw batches collated into TorchRec KJTs, in a TorchRec ``Pipelineable``."""
 
-    def __next__(self) -> Any:
+    def _collate_next(self) -> Any:
         import torchrec
 
-        t0 = time.perf_counter()
         raw = self.raws[self.i % len(self.raws)]
         self.i += 1
         n = len(self.keys)
@@ -347,14 +401,32 @@ class _TorchRecLoader(_Loader):
                 stride=raw.dense.shape[0],
             )
 
-        batch = _torchrec_batch_type()(
+        return _torchrec_batch_type()(
             raw.dense,
             kjt(self.keys, slice(0, n), False),
             kjt(self.wkeys, slice(n, None), True),
             raw.labels,
         )
-        self.host_s += time.perf_counter() - t0
-        return batch
+
+    def _pregenerated(self, count: int) -> list[Any]:
+        import torchrec
+
+        def fresh(k: Any) -> Any:
+            return torchrec.KeyedJaggedTensor(
+                keys=k.keys(),
+                values=k.values(),
+                weights=k.weights_or_none(),
+                lengths=k.lengths(),
+                stride=k.stride(),
+            )
+
+        first = [self._collate_next() for _ in range(min(count, len(self.raws)))]
+        self.i = count
+        batch_type = _torchrec_batch_type()
+        return [
+            batch_type(b.dense, fresh(b.sparse), fresh(b.wsparse), b.labels)
+            for b in (first[j % len(first)] for j in range(count))
+        ]
 
 
 def _torchrec_batch_type() -> type:
@@ -408,7 +480,9 @@ class _TorchRecModel(nn.Module):
         return loss, logits.detach()
 
 
-def _torchrec_variants(base: PipelineRankingModel, data: Any, lr: float) -> list[_Variant]:
+def _torchrec_variants(
+    base: PipelineRankingModel, data: Any, lr: float, pregenerate: int
+) -> list[_Variant]:
     """TorchRec's pipelines on a DMP of the same model (single-rank gloo group), KJT input."""
     import torch.distributed as dist
     from torchrec.distributed import DistributedModelParallel
@@ -464,7 +538,7 @@ def _torchrec_variants(base: PipelineRankingModel, data: Any, lr: float) -> list
         )
         opt = CombinedOptimizer([dmp.fused_optimizer, dense_opt])
         pipe = pipeline_cls(dmp, opt, device)
-        loader = _TorchRecLoader(keys, wkeys, raws, "kjt")
+        loader = _TorchRecLoader(keys, wkeys, raws, "kjt", pregenerate)
         it = iter(loader)
         v = _Variant(
             f"TorchRec {pname} | KJT | DMP",
@@ -560,10 +634,20 @@ def _plot(rows: list[dict[str, Any]], path: Any) -> Any:
     return path
 
 
-def run(quick: bool = False, device: str = "cpu") -> dict[str, Any]:
-    """Run the section; print the table, write ``pipeline.json`` and ``pipeline.png``."""
+LOADERS = ("pregenerated", "collate")
+
+
+def run(quick: bool = False, device: str = "cpu", loader: str = "pregenerated") -> dict[str, Any]:
+    """Run the section; print the table, write ``pipeline.json`` and ``pipeline.png``.
+
+    ``loader``: ``"pregenerated"`` (batches built before the timed steps, as TorchRec's
+    benchmark does; each input type's collate time is measured apart) or ``"collate"`` (the
+    loader collates every batch inside the step loop, on the pipeline's reading thread).
+    """
     import torch.distributed as dist
 
+    if loader not in LOADERS:
+        raise ValueError(f"loader must be one of {LOADERS}, got {loader!r}")
     cfg = QUICK if quick else FULL
     dev = torch.device(device)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -585,8 +669,10 @@ def run(quick: bool = False, device: str = "cpu") -> dict[str, Any]:
         base.ebc, base.webc = shard(base.ebc), shard(base.webc)
     data = make_dataset(cfg, seed=1 + rank)
     lr = 0.05
+    # every batch a step can draw: warmup, measured steps, and the read-ahead of the queue
+    pregen = cfg.warmup + cfg.rounds * cfg.steps_per_round + 4 if loader == "pregenerated" else 0
     variants = [
-        _fxrec_variant(base, p, kind, on, data, dev, lr)
+        _fxrec_variant(base, p, kind, on, data, dev, lr, pregen)
         for p in (TrainPipelineBase, TrainPipelineSparseDist)
         for kind in ("kjt", "td")
         for on in (False, True)
@@ -595,7 +681,7 @@ def run(quick: bool = False, device: str = "cpu") -> dict[str, Any]:
     had_group = dist.is_available() and dist.is_initialized()
     if world == 1:
         try:
-            variants += _torchrec_variants(base, data, lr)
+            variants += _torchrec_variants(base, data, lr, pregen)
         except ImportError as exc:
             peer_note = f"TorchRec peer skipped: {exc}"
         except Exception as exc:  # the peer must never take the section down
@@ -611,6 +697,7 @@ def run(quick: bool = False, device: str = "cpu") -> dict[str, Any]:
         if world == 1 and not had_group and dist.is_initialized():
             dist.destroy_process_group()  # the peer's single-rank group: leave none behind
     td_conv = _td_conversion_ms(data)
+    collate = {kind: _collate_ms(data, kind) for kind in ("kjt", "td")}
     rows = []
     for v in variants:
         steps = len(v.times or [])
@@ -645,6 +732,8 @@ def run(quick: bool = False, device: str = "cpu") -> dict[str, Any]:
         "config": cfg.__dict__,
         "device": str(dev),
         "world_size": world,
+        "loader": loader,
+        "loader_collate_ms": collate,
         "memory_kind": "cuda max_memory_allocated per step"
         if dev.type == "cuda"
         else "process RSS after each step",
@@ -682,6 +771,15 @@ def run(quick: bool = False, device: str = "cpu") -> dict[str, Any]:
                 ]
                 for r in rows
             ],
+        )
+        where = (
+            "before the timed steps (pregenerated)"
+            if loader == "pregenerated"
+            else "in the step loop (in host input ms)"
+        )
+        print(
+            f"loader: batches collated {where}; one batch costs the loader "
+            f"{collate['kjt']:.2f} ms as a KJT, {collate['td']:.2f} ms as a TensorDict"
         )
         for g in result["goals"]:
             print(f"goal {g['goal']}: {g['detail']} -> {'met' if g['met'] else 'NOT met'}")
@@ -728,10 +826,16 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--loader",
+        choices=LOADERS,
+        default="pregenerated",
+        help="build batches before the timed steps (as TorchRec's benchmark) or in the loop",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     keep_freed_memory()
-    run(quick=args.quick, device=args.device)
+    run(quick=args.quick, device=args.device, loader=args.loader)
 
 
 if __name__ == "__main__":

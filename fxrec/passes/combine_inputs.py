@@ -47,6 +47,7 @@ from fxrec.sparse import (
     kjt_from_tensordict,
     kjt_to_tensordict,
 )
+from fxrec.sparse.tensordict_interop import JaggedParts, join_values, tensordict_parts
 
 logger = logging.getLogger(__name__)
 
@@ -67,8 +68,11 @@ class _Slot:
 # -- host side -----------------------------------------------------------------------------
 
 
-def _chunk_of(slot: _Slot, args: Sequence[Any]) -> KeyedJaggedTensor | list[KeyedJaggedTensor]:
-    """The slot's features as KJT(s) (zero-copy for a KJT argument)."""
+def _chunk_of(
+    slot: _Slot, args: Sequence[Any]
+) -> KeyedJaggedTensor | JaggedParts | list[KeyedJaggedTensor]:
+    """The slot's features as KJT(s), zero-copy for a KJT argument; a TensorDict's as its
+    :class:`~fxrec.sparse.tensordict_interop.JaggedParts`, copied once, by the packer."""
     if slot.kind == _KJT:
         kjt = args[slot.positions[0]]
         if not isinstance(kjt, KeyedJaggedTensor):
@@ -84,7 +88,7 @@ def _chunk_of(slot: _Slot, args: Sequence[Any]) -> KeyedJaggedTensor | list[Keye
             raise ValueError(
                 f"argument {slot.positions[0]} must be a TensorDict, got {type(td).__name__}."
             )
-        return kjt_from_tensordict(td, slot.keys)
+        return tensordict_parts(td, slot.keys)
     if slot.kind == _JT_DICT:
         d = args[slot.positions[0]]
         if not isinstance(d, Mapping):
@@ -141,7 +145,7 @@ class InputPacker:
             raise ValueError(
                 f"the packer takes the model's {self.num_args} arguments, got {len(args)}."
             )
-        chunks: list[KeyedJaggedTensor] = []
+        chunks: list[KeyedJaggedTensor | JaggedParts] = []
         for s in self.slots:
             if s.kind != _DENSE:
                 got = _chunk_of(s, args)
@@ -149,35 +153,38 @@ class InputPacker:
         features = self._combine(chunks)
         return (*(args[p] for p in self.dense_positions), features)
 
-    def _combine(self, chunks: list[KeyedJaggedTensor]) -> CombinedFeatures:
+    def _combine(self, chunks: list[KeyedJaggedTensor | JaggedParts]) -> CombinedFeatures:
         spk: list[int] = []
         lpk: list[int] = []
-        values, lengths, weights = [], [], []
+        values: list[torch.Tensor] = []
+        lengths: list[torch.Tensor] = []
+        weights: list[torch.Tensor] = []
         any_weighted = any(self.weighted)
         i = 0
-        for kjt in chunks:
-            w = kjt.weights_or_none()
-            for k in kjt.keys():  # noqa: SIM118 (a KJT is not a dict)
-                if (w is not None) != self.weighted[i]:
-                    state = "has" if w is not None else "has no"
+        for chunk in chunks:
+            p = chunk if isinstance(chunk, JaggedParts) else _kjt_parts(chunk)
+            for k in p.keys:
+                if (p.weights is not None) != self.weighted[i]:
+                    state = "has" if p.weights is not None else "has no"
                     raise ValueError(
                         f"feature {k!r} {state} weights in this batch but not in the example "
                         "batch the model was combined for; every batch must agree."
                     )
                 i += 1
-            spk += kjt.stride_per_key()
-            lpk += kjt.length_per_key()
-            values.append(kjt.values())
-            lengths.append(kjt.lengths())
-            if any_weighted:
-                weights.append(
-                    w if w is not None else torch.ones_like(kjt.values(), dtype=self._dtypes[2])
-                )
+            spk += p.stride_per_key
+            lpk += p.length_per_key
+            values += p.values
+            lengths.append(p.lengths)
+            if p.weights is not None:
+                weights += p.weights
+            elif any_weighted:
+                n = sum(p.length_per_key)
+                weights.append(torch.ones(n, dtype=self._dtypes[2], device=p.lengths.device))
         for name, parts, dtype in (
             ("ids", values, self._dtypes[0]),
             ("lengths", lengths, self._dtypes[1]),
         ):
-            bad = {str(p.dtype) for p in parts if p.dtype != dtype}
+            bad = {str(t.dtype) for t in parts if t.dtype != dtype}
             if bad:
                 raise ValueError(
                     f"every feature's {name} must have one dtype ({dtype}); got {sorted(bad)}. "
@@ -223,7 +230,20 @@ class InputPacker:
 
 
 def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+    """One copy of all parts (none for one part, or parts already end to end in a buffer)."""
+    return parts[0] if len(parts) == 1 else join_values(parts)
+
+
+def _kjt_parts(kjt: KeyedJaggedTensor) -> JaggedParts:
+    w = kjt.weights_or_none()
+    return JaggedParts(
+        list(kjt.keys()),
+        [kjt.values()],
+        kjt.lengths(),
+        None if w is None else [w],
+        kjt.stride_per_key(),
+        kjt.length_per_key(),
+    )
 
 
 def _pieces_to_jts(cf: CombinedFeatures, weighted: Sequence[bool]) -> list[JaggedTensor]:
@@ -543,10 +563,16 @@ def _get(obj: Any, target: str) -> Any:
 
 
 def _example_dtypes(slots: Sequence[_Slot], args: Sequence[Any]) -> tuple[Any, Any, Any]:
+    """(ids, lengths, weights) dtypes of the example batch: its first sparse feature's, and
+    its first weighted feature's weights (float32 when none is weighted)."""
+    parts: list[JaggedParts] = []
     for s in slots:
         if s.kind != _DENSE:
             got = _chunk_of(s, args)
-            kjt = got[0] if isinstance(got, list) else got
-            w = kjt.weights_or_none()
-            return kjt.values().dtype, kjt.lengths().dtype, torch.float32 if w is None else w.dtype
-    raise ValueError("no sparse inputs")
+            for c in got if isinstance(got, list) else [got]:
+                parts.append(c if isinstance(c, JaggedParts) else _kjt_parts(c))
+    if not parts:
+        raise ValueError("no sparse inputs")
+    w = next((p.weights[0] for p in parts if p.weights), None)
+    p0 = parts[0]
+    return p0.values[0].dtype, p0.lengths.dtype, torch.float32 if w is None else w.dtype

@@ -23,7 +23,8 @@ values are already adjacent slices of one buffer in key order (a loader that fil
 buffer, or :func:`kjt_to_tensordict`), the KJT's values are a view of that buffer and nothing
 is copied; the same holds for offsets and weights. NJTs that carry both offsets and lengths
 (non-contiguous, e.g. from ``torch.nested.narrow``) or offsets that do not start at 0 are
-compacted correctly, per feature, off the fast path.
+compacted correctly, per feature, off the fast path. :func:`tensordict_parts` does the same
+work short of the joins, for a caller that copies the features once into its own buffer.
 
 A pipeline's host stage can convert ahead of the step with :func:`prepare_kjt`; the model's
 own ``kjt_from_tensordict`` on that TensorDict then returns the prepared KJT.
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any
 
@@ -44,13 +46,16 @@ from fxrec.sparse.keyed_jagged_tensor import KeyedJaggedTensor
 from fxrec.sparse.segments import cumsum_list, single_threaded
 
 __all__ = [
+    "JaggedParts",
     "is_njt",
+    "join_values",
     "kjt_from_tensordict",
     "kjt_to_tensordict",
     "prepare_kjt",
     "prepared_kjts",
     "record_conversions",
     "tensordict_from_jagged",
+    "tensordict_parts",
 ]
 
 try:
@@ -265,9 +270,64 @@ def kjt_from_tensordict(td: TensorDictBase, keys: Sequence[str] | None = None) -
     return _convert(td, keys, entries)
 
 
+@dataclass(frozen=True)
+class JaggedParts:
+    """A TensorDict's features before their values are joined into one buffer.
+
+    What :func:`kjt_from_tensordict` would copy into a KJT's values (and weights), left as
+    per-feature tensors for a caller that copies them once into its own buffer (the packer of
+    :func:`~fxrec.passes.combine_inputs.combine_inputs`) instead of twice.
+    """
+
+    keys: list[str]
+    values: list[torch.Tensor]
+    lengths: torch.Tensor
+    weights: list[torch.Tensor] | None
+    stride_per_key: list[int]
+    length_per_key: list[int]
+
+
+def tensordict_parts(td: TensorDictBase, keys: Sequence[str] | None = None) -> JaggedParts:
+    """The features ``keys`` of ``td`` as :class:`JaggedParts`, checked as on conversion.
+
+    A KJT kept by :func:`prepare_kjt` for these keys comes back as one part (no work).
+    """
+    keys = list(td.keys()) if keys is None else list(keys)
+    if not keys:
+        return JaggedParts([], [], torch.empty(0, dtype=torch.long), None, [], [])
+    entries = _entries(td, keys)
+    prepared = _lookup(td, keys, entries)
+    if prepared is not None:
+        w = prepared.weights_or_none()
+        return JaggedParts(
+            keys,
+            [prepared.values()],
+            prepared.lengths(),
+            None if w is None else [w],
+            prepared.stride_per_key(),
+            prepared.length_per_key(),
+        )
+    return _parts(td, keys, entries)
+
+
 def _convert(td: TensorDictBase, keys: list[str], entries: list[Any]) -> KeyedJaggedTensor:
     if not keys:
         return KeyedJaggedTensor.empty()
+    p = _parts(td, keys, entries)
+    spk = p.stride_per_key
+    uniform = all(s == spk[0] for s in spk)
+    return KeyedJaggedTensor._make(
+        keys,
+        join_values(p.values),
+        None if p.weights is None else join_values(p.weights),
+        p.lengths,
+        stride=spk[0] if uniform else None,
+        stride_per_key=None if uniform else spk,
+        length_per_key=p.length_per_key,
+    )
+
+
+def _parts(td: TensorDictBase, keys: list[str], entries: list[Any]) -> JaggedParts:
     # A TensorDict's batch_size binds every entry's first dim: one batch size for all keys.
     batch = int(td.batch_size[0]) if len(td.batch_size) else None
     if set(map(type, entries)) == {_NJT}:  # one C-level pass: the common, unweighted case
@@ -275,21 +335,12 @@ def _convert(td: TensorDictBase, keys: list[str], entries: list[Any]) -> KeyedJa
         weights = None
     else:
         values, lengths, weights, spk, lpk = _weighted(keys, entries, batch)
-    uniform = all(s == spk[0] for s in spk)
-    return KeyedJaggedTensor._make(
-        keys,
-        values,
-        weights,
-        lengths,
-        stride=spk[0] if uniform else None,
-        stride_per_key=None if uniform else spk,
-        length_per_key=lpk,
-    )
+    return JaggedParts(keys, values, lengths, weights, spk, lpk)
 
 
 def _weighted(
     keys: list[str], entries: list[Any], batch: int | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, list[int], list[int]]:
+) -> tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor] | None, list[int], list[int]]:
     pairs = [_split_weighted(k, e) for k, e in zip(keys, entries)]
     ids = [p[0] for p in pairs]
     wts = [p[1] for p in pairs]
@@ -316,7 +367,8 @@ def _weighted(
                 f"{n._offsets.shape[0] - 1}."
             )
     if _shares_layout(wts, ids, lpk):
-        weights = _cat_values(keys, [w._values for w in wts])
+        weights = [w._values for w in wts]
+        _check_dims(keys, weights)
     else:
         weights, w_lengths, _, _ = _concat(keys, wts, batch, ids=False)
         if not torch.equal(w_lengths, lengths):
@@ -325,7 +377,8 @@ def _weighted(
                 "with the ids' offsets (nested_tensor_from_jagged(weights, ids.offsets()))."
             )
     if V.validation_enabled():
-        V.check_weights(weights, values)
+        for k, w, v in zip(keys, weights, values):
+            V.check_weights(w, v, k)
     return values, lengths, weights, spk, lpk
 
 
@@ -346,19 +399,19 @@ def _shares_layout(wts: list[Any], ids: list[Any], lpk: list[int]) -> bool:
 
 def _concat(
     keys: list[str], njts: list[Any], batch: int | None, ids: bool = True
-) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
-    """(values, lengths, stride_per_key, length_per_key) of the NJTs, key-major."""
+) -> tuple[list[torch.Tensor], torch.Tensor, list[int], list[int]]:
+    """(values per key, lengths, stride_per_key, length_per_key) of the NJTs, key-major."""
     offs = [n._offsets for n in njts]
     vals = [n._values for n in njts]
     spk = [batch] * len(njts) if batch is not None else [o.shape[0] - 1 for o in offs]
     if any(n._lengths is not None for n in njts):
         return _concat_slow(keys, njts, spk, ids)
+    _check_dims(keys, vals)
     validate = V.validation_enabled()
-    # The big copy may use every thread; the small lengths work runs on one (see
-    # single_threaded: on a busy host an OpenMP team can stall for milliseconds).
-    values = _cat_values(keys, vals)
+    # Small lengths work: one thread (see single_threaded: on a busy host an OpenMP team can
+    # stall for milliseconds).
     with single_threaded():
-        return _lengths_from_offsets(keys, njts, offs, vals, values, spk, validate, ids)
+        return _lengths_from_offsets(keys, njts, offs, vals, spk, validate, ids)
 
 
 def _lengths_from_offsets(
@@ -366,11 +419,10 @@ def _lengths_from_offsets(
     njts: list[Any],
     offs: list[torch.Tensor],
     vals: list[torch.Tensor],
-    values: torch.Tensor,
     spk: list[int],
     validate: bool,
     ids: bool,
-) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
+) -> tuple[list[torch.Tensor], torch.Tensor, list[int], list[int]]:
     k = len(njts)
     offsets = torch.cat(offs)  # small: cheaper than proving adjacency key by key
     s0 = spk[0]
@@ -400,8 +452,8 @@ def _lengths_from_offsets(
         )
         raise ValueError(f"feature {bad!r}: offsets decrease (a negative bag length).")
     if ids and validate:
-        _check_ids(keys, values, vals)
-    return values, lengths, spk, last
+        _check_ids(keys, vals)
+    return vals, lengths, spk, last
 
 
 def _joined(parts: list[torch.Tensor]) -> torch.Tensor | None:
@@ -436,30 +488,26 @@ def _joined(parts: list[torch.Tensor]) -> torch.Tensor | None:
         return None
 
 
-def _cat_values(keys: list[str], vals: list[torch.Tensor]) -> torch.Tensor:
-    """One ``cat`` (or a view, see :func:`_joined`); per-bag values must be scalars."""
-    joined = _joined(vals)
-    if joined is not None:
-        return joined
-    try:
-        values = torch.cat(vals)
-    except RuntimeError:
-        values = None
-    if values is None or values.dim() != 1:
-        bad = next((k for k, v in zip(keys, vals) if v.dim() != 1), keys[0])
-        raise ValueError(
-            f"feature {bad!r}: expected one id (or weight) per position, an NJT of shape "
-            f"[B, j]; got values of shape {tuple(vals[keys.index(bad)].shape)}."
-        )
-    return values
+def join_values(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat(parts)`` of 1-D parts, or a view when they lie end to end (:func:`_joined`)."""
+    joined = _joined(list(parts))
+    return joined if joined is not None else torch.cat(list(parts))
 
 
-def _check_ids(keys: list[str], values: torch.Tensor, vals: list[torch.Tensor]) -> None:
-    if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool:
-        bad = next(
-            k for k, v in zip(keys, vals) if v.dtype.is_floating_point or v.dtype == torch.bool
-        )
-        V.check_ids(vals[keys.index(bad)], bad)
+def _check_ids(keys: list[str], vals: list[torch.Tensor]) -> None:
+    for k, v in zip(keys, vals):
+        if v.dtype.is_floating_point or v.dtype.is_complex or v.dtype == torch.bool:
+            V.check_ids(v, k)
+
+
+def _check_dims(keys: list[str], vals: list[torch.Tensor]) -> None:
+    """One id (or weight) per position: each NJT's values must be 1-D."""
+    for k, v in zip(keys, vals):
+        if v.dim() != 1:
+            raise ValueError(
+                f"feature {k!r}: expected one id (or weight) per position, an NJT of shape "
+                f"[B, j]; got values of shape {tuple(v.shape)}."
+            )
 
 
 def _compact(njt: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -478,7 +526,7 @@ def _compact(njt: Any) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _concat_slow(
     keys: list[str], njts: list[Any], spk: list[int], ids: bool = True
-) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
+) -> tuple[list[torch.Tensor], torch.Tensor, list[int], list[int]]:
     vals, lens = [], []
     for k, n in zip(keys, njts):
         if V.validation_enabled():
@@ -490,10 +538,10 @@ def _concat_slow(
         v, ln = _compact(n)
         vals.append(v)
         lens.append(ln)
-    values = _cat_values(keys, vals)
+    _check_dims(keys, vals)
     if ids and V.validation_enabled():
-        _check_ids(keys, values, vals)
-    return values, torch.cat(lens), spk, [v.shape[0] for v in vals]
+        _check_ids(keys, vals)
+    return vals, torch.cat(lens), spk, [v.shape[0] for v in vals]
 
 
 def kjt_to_tensordict(kjt: KeyedJaggedTensor) -> TensorDict:

@@ -210,6 +210,10 @@ class TrainPipelineSparseDist(TrainPipelineBase):
     Args (beyond the base's):
         prefetch: batches prepared ahead (the queue bound, >= 1).
         poll_s: how often blocked queue operations re-check for ``close()``.
+        host_threads: intra-op threads of the background thread's torch ops (OpenMP's count
+            is per thread: the training thread keeps its own). Default: 1 when training on
+            the CPU, where a second OpenMP team would compete with the step's team for the
+            same cores and stall both at their barriers; unchanged on CUDA.
     """
 
     def __init__(
@@ -223,6 +227,7 @@ class TrainPipelineSparseDist(TrainPipelineBase):
         prepare_tensordicts: bool = True,
         prefetch: int = 2,
         poll_s: float = 0.05,
+        host_threads: int | None = None,
     ) -> None:
         super().__init__(
             model,
@@ -234,8 +239,11 @@ class TrainPipelineSparseDist(TrainPipelineBase):
         )
         if prefetch < 1:
             raise ValueError(f"prefetch must be at least 1, got {prefetch}")
+        if host_threads is not None and host_threads < 1:
+            raise ValueError(f"host_threads must be at least 1, got {host_threads}")
         self.prefetch = prefetch
         self.poll_s = poll_s
+        self.host_threads = host_threads
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=prefetch)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -248,6 +256,11 @@ class TrainPipelineSparseDist(TrainPipelineBase):
 
     # -- the producer thread -------------------------------------------------------------------
     def _produce(self, source: Iterator[Any]) -> None:
+        threads = self.host_threads
+        if threads is None and self.device.type == "cpu":
+            threads = 1
+        if threads is not None:
+            torch.set_num_threads(threads)  # this thread only
         index = 0
         while not self._stop.is_set():
             try:

@@ -16,7 +16,7 @@ from fxrec.sparse import (
     record_conversions,
     tensordict_from_jagged,
 )
-from fxrec.sparse.tensordict_interop import prepared_kjts
+from fxrec.sparse.tensordict_interop import join_values, prepared_kjts, tensordict_parts
 from tests.sparse.helpers import RefFeatures, kjt_bags, ref_bags, ref_features
 
 
@@ -115,6 +115,31 @@ def test_builder_matches_the_public_constructors(ref: RefFeatures) -> None:
         if wts is not None:  # ids and weights of a feature share one offsets tensor
             assert a["values"].offsets() is a["weights"].offsets()
     assert kjt_bags(kjt_from_tensordict(fast)) == ref_bags(ref)
+
+
+@given(ref_features(max_keys=6, max_batch=5))
+def test_parts_joined_are_the_conversion(ref: RefFeatures) -> None:
+    # The packer copies a TensorDict's parts once into its own buffer; joined here, they must
+    # be what kjt_from_tensordict gives, for separate buffers and for one buffer (a view).
+    for td in (_separate(kjt_to_tensordict(ref.kjt()), ref.keys), kjt_to_tensordict(ref.kjt())):
+        want = kjt_from_tensordict(td)
+        p = tensordict_parts(td)
+        assert p.keys == ref.keys and len(p.values) == len(ref.keys)
+        assert torch.equal(join_values(p.values), want.values())
+        assert torch.equal(p.lengths, want.lengths())
+        assert (p.weights is None) == (want.weights_or_none() is None)
+        if p.weights is not None:
+            assert torch.equal(join_values(p.weights), want.weights())
+        assert p.stride_per_key == want.stride_per_key()
+        assert p.length_per_key == want.length_per_key()
+
+
+def test_parts_of_a_prepared_tensordict_are_the_prepared_kjt() -> None:
+    td = _td()
+    kjt = prepare_kjt(td, ["a", "b"])
+    p = tensordict_parts(td, ["a", "b"])
+    assert len(p.values) == 1 and p.values[0] is kjt.values() and p.lengths is kjt.lengths()
+    assert len(tensordict_parts(td, ["b"]).values) == 1  # other keys: converted, one part
 
 
 def test_builder_checks_its_arguments() -> None:

@@ -41,6 +41,27 @@ def test_kjt_and_tensordict_loaders_carry_the_same_features():
     assert kjt_batches.host_s > 0 and td_batches.host_s > 0
 
 
+def test_pregenerated_batches_are_fresh_objects_with_the_collated_features():
+    # Built before the timed steps, one object per step: no state cached on a batch object
+    # (a KJT's offsets, a TensorDict's prepared KJT) can carry from one step to the next.
+    cfg = small_cfg()
+    keys, wkeys, raws = make_dataset(cfg, seed=4)
+    for kind in ("kjt", "td"):
+        pre = _Loader(keys, wkeys, raws, kind, pregenerate=5)
+        ref = _Loader(keys, wkeys, raws, kind)
+        got = [next(pre) for _ in range(6)]  # one past the pregenerated batches: collated
+        assert pre.host_s > 0
+        assert len({id(s) for b in got for s in b.sparse}) == 12
+        for a, b in zip(got, (next(ref) for _ in range(6))):
+            assert torch.equal(a.dense, b.dense)
+            for x, y in zip(a.sparse, b.sparse):
+                if kind == "td":
+                    x, y = kjt_from_tensordict(x), kjt_from_tensordict(y)
+                assert x.keys() == y.keys()
+                assert torch.equal(x.values(), y.values())
+                assert torch.equal(x.lengths(), y.lengths())
+
+
 def test_ids_per_feature_are_skewed_and_in_range():
     cfg = small_cfg()
     _, _, raws = make_dataset(cfg, seed=0)

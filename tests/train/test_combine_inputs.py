@@ -181,8 +181,11 @@ def test_kjt_and_tensordict_inputs(input_type, weighted, vbe):
     cf = new_args[-1]
     assert transfer_count(cf) == (3 if weighted else 2)
     assert transfer_count(sparse) >= transfer_count(cf)
-    if input_type == "kjt":
-        assert cf.values.data_ptr() == kjt.values().data_ptr()  # packing a KJT copies nothing
+    # packing copies nothing: a KJT is one buffer, and so is this TensorDict (its NJTs view
+    # one buffer end to end), whose per-feature parts the packer joins as a view
+    assert cf.values.data_ptr() == kjt.values().data_ptr()
+    if weighted:
+        assert cf.weights.data_ptr() == kjt.weights().data_ptr()
     check_same(model, new, (dense, sparse), new_args)
     _d2, s2 = packer.unpack(*new_args)
     k2 = s2 if input_type == "kjt" else fxrec.sparse.kjt_from_tensordict(s2)

@@ -220,3 +220,27 @@ def test_prefetch_must_be_positive():
     model, opt = fresh(KEYS)
     with pytest.raises(ValueError, match="prefetch"):
         TrainPipelineSparseDist(model, opt, prefetch=0)
+
+
+@pytest.mark.parametrize("host_threads,want", [(None, 1), (3, 3)])
+def test_background_thread_sets_its_own_op_threads_only(host_threads, want):
+    # On the CPU the reading thread's ops run on one thread by default (a second OpenMP team
+    # would fight the step's for the same cores); the training thread keeps its count.
+    seen = []
+
+    def host_fn(batch):
+        seen.append(torch.get_num_threads())
+        return batch
+
+    main_threads = torch.get_num_threads()
+    model, opt = fresh(KEYS)
+    with TrainPipelineSparseDist(model, opt, host_fn=host_fn, host_threads=host_threads) as pipe:
+        pipe.run(make_batches(KEYS, 3, seed=2))
+    assert seen and set(seen) == {want}
+    assert torch.get_num_threads() == main_threads
+
+
+def test_host_threads_must_be_positive():
+    model, opt = fresh(KEYS)
+    with pytest.raises(ValueError, match="host_threads"):
+        TrainPipelineSparseDist(model, opt, host_threads=0)
