@@ -4,10 +4,14 @@ A ranking model with many tables (``fxrec.EmbeddingBagCollection`` for unweighte
 weighted features, a LayerNorm and Tanh per unweighted feature, a dense arch, an over arch)
 trains on synthetic batches whose ids per bag follow a Poisson law around a per-feature mean
 drawn from a Zipf-like profile (a few heavy features, many light ones) and whose ids are
-Zipf-distributed over each table's rows. Each step the data loader collates per-feature
-arrays into a ``KeyedJaggedTensor`` or a ``TensorDict`` of jagged tensors (real host work
-every loader does; the TensorDict is built with :func:`fxrec.sparse.tensordict_from_jagged`,
-one NJT per feature over the raw arrays).
+Zipf-distributed over each table's rows. The loader turns per-feature arrays into a
+``KeyedJaggedTensor`` (one ``cat``) or a ``TensorDict`` of jagged tensors (one NJT per feature
+over the raw arrays, :func:`fxrec.sparse.tensordict_from_jagged`). By default every batch is
+built before the timed steps, one fresh object per step, as TorchRec's pipeline benchmark
+feeds pregenerated inputs, so the steps compare how the pipelines handle each input type
+(TD->KJT conversion or packing, copies); what one batch costs the loader is measured apart
+and printed. ``--loader collate`` builds each batch inside the step loop instead (on
+TrainPipelineSparseDist's reading thread), where that cost lands in host input time.
 
 Variants, all on the same model weights and the same batches, run interleaved round by round:
 
@@ -21,15 +25,16 @@ Variants, all on the same model weights and the same batches, run interleaved ro
 
 Figures per variant: ``Runtime (P90)`` per step, ``Memory (P90)`` (CPU: the process's
 resident set after each step; CUDA: ``max_memory_allocated`` per step), throughput (samples/s
-at the median step), host time spent on inputs per step (loader collate + pipeline host
-step + copy; wall time, so in TrainPipelineSparseDist's background thread it includes waiting
+at the median step), host time spent on inputs per step (loader + pipeline host step +
+copy; wall time, so in TrainPipelineSparseDist's background thread it includes waiting
 for the GIL), the TD->KJT conversion of TensorDict input without fxrec (measured apart: in the
 model's step, or in the pipeline's host stage once the pipeline has seen the model convert,
 where it is part of the host input time), and host-to-device copies per batch.
 
-Run: ``python -m fxrec bench pipeline [--quick]``, alone ``python -m fxrec.bench.pipeline``,
-or ``torchrun --nproc-per-node 2 -m fxrec.bench.pipeline --quick`` (tables sharded with
-``fxrec.distributed.shard``; rank 0 reports).
+Run: ``python -m fxrec bench pipeline [--quick]``, alone ``python -m fxrec.bench.pipeline
+[--quick] [--loader pregenerated|collate]``, or ``torchrun --nproc-per-node 2 -m
+fxrec.bench.pipeline --quick`` (tables sharded with ``fxrec.distributed.shard``; rank 0
+reports).
 """
 
 from __future__ import annotations
