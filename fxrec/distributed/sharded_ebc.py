@@ -1,6 +1,9 @@
 """``ShardedEmbeddingBagCollection``: an embedding collection's tables spread over ranks.
 
-Table-wise sharding: each table lives on one rank (:mod:`fxrec.distributed.plan`). A step:
+Table-wise sharding: each table lives on one rank (:mod:`fxrec.distributed.plan`); tables
+the plan marks row-wise have one block of rows on every rank, each block handled below as a
+table of its own (:mod:`fxrec.distributed.row_wise`: ids are routed to their row's block
+before step 1, partial sums added after step 4). A step:
 
 1. ``request_counts``/``wait_counts``, then ``send_ids``/``wait_ids``: every key's ids go
    to the owner of its table (an asynchronous exchange of counts, which gives the split
@@ -20,7 +23,9 @@ each wait follows its request: that is the blocking baseline.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -28,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fxrec.distributed import dist_ops
+from fxrec.distributed import row_wise as rowwise
 from fxrec.distributed.comm import group_name
 from fxrec.distributed.plan import ShardingPlan, TableSpec, greedy_plan
 from fxrec.sparse import KeyedJaggedTensor, KeyedTensor, kjt_from_tensordict
@@ -58,25 +64,77 @@ def table_specs(ebc: nn.Module) -> list[TableSpec]:
     ]
 
 
-def _local_collection(ebc: nn.Module, names: set[str]) -> nn.Module:
-    """A collection of the same type holding only ``names``, with ``ebc``'s weights."""
-    configs = [c for c in _configs(ebc) if c.name in names]
+def _local_collection(
+    ebc: nn.Module, names: list[str], row_blocks: dict[str, tuple[str, int, int, int]]
+) -> nn.Module:
+    """A collection of the same type holding only the tables ``names`` (in that order, which
+    is the order of its output), with ``ebc``'s weights.
+
+    ``row_blocks``: row shards among ``names`` -> (table, rank, first row, end row); each is
+    a sum-pooled table of those rows, read by the shard's features.
+    """
+    by_name = {c.name: c for c in _configs(ebc)}
+    configs = []
+    for name in names:
+        if name not in row_blocks:
+            configs.append(copy.copy(by_name[name]))
+            continue
+        table, rank, lo, hi = row_blocks[name]
+        c = by_name[table]
+        pooling = "sum" if isinstance(c.pooling, str) else type(c.pooling)["SUM"]
+        configs.append(
+            dataclasses.replace(
+                c,
+                name=name,
+                num_embeddings=hi - lo,
+                feature_names=rowwise.shard_features(c.feature_names, rank),
+                pooling=pooling,
+            )
+        )
     kwargs: dict[str, Any] = {}
     is_weighted = getattr(ebc, "is_weighted", None)
     if callable(is_weighted) and is_weighted():
         kwargs["is_weighted"] = True
     try:
-        local = type(ebc)(tables=[copy.copy(c) for c in configs], **kwargs)
+        local = type(ebc)(tables=configs, **kwargs)
     except TypeError:
-        local = type(ebc)([copy.copy(c) for c in configs], **kwargs)
+        local = type(ebc)(configs, **kwargs)
     full = ebc.state_dict()
     state = {}
     for key in local.state_dict():
-        if key not in full:
-            raise ValueError(f"cannot find {key!r} in the collection's state_dict")
-        state[key] = full[key]
+        src = _source_key(key, row_blocks)
+        if src not in full:
+            raise ValueError(f"cannot find {src!r} in the collection's state_dict")
+        state[key] = _rows_of(full[src], key, row_blocks)
     local.load_state_dict(state)
     return local.to(next(iter(full.values())).device) if full else local
+
+
+def _shard_of(key: str, row_blocks: dict[str, tuple[str, int, int, int]]) -> str | None:
+    """The row shard a local state key belongs to (``embedding_bags.<shard>.weight``)."""
+    parts = key.split(".")
+    return parts[1] if len(parts) > 2 and parts[1] in row_blocks else None
+
+
+def _source_key(key: str, row_blocks: dict[str, tuple[str, int, int, int]]) -> str:
+    """The unsharded collection's key for a local state key."""
+    shard = _shard_of(key, row_blocks)
+    if shard is None:
+        return key
+    parts = key.split(".")
+    parts[1] = row_blocks[shard][0]
+    return ".".join(parts)
+
+
+def _rows_of(
+    value: torch.Tensor, key: str, row_blocks: dict[str, tuple[str, int, int, int]]
+) -> torch.Tensor:
+    """A whole table's tensor cut to the local shard's rows (other keys: as they are)."""
+    shard = _shard_of(key, row_blocks)
+    if shard is None:
+        return value
+    _, _, lo, hi = row_blocks[shard]
+    return value.narrow(0, lo, hi - lo)
 
 
 class ShardedEmbeddingBagCollection(nn.Module):
@@ -115,8 +173,39 @@ class ShardedEmbeddingBagCollection(nn.Module):
                     raise ValueError(f"feature {f!r} feeds two tables; give each table its own")
                 keys.append(f)
                 dims.append(t.embedding_dim)
+        # The wire: row-wise tables become one table-wise shard per rank.
+        pooling = {c.name: _pooling(c) for c in _configs(ebc)}
+        rw = set(plan.row_wise)
+        wire_specs: list[TableSpec] = []
+        owners: dict[str, int] = {}
+        row_blocks: dict[str, tuple[str, int, int, int]] = {}
+        rw_features: list[str] = []
+        rw_bounds: list[tuple[int, ...]] = []
+        rw_mean: list[bool] = []
+        for t in specs:
+            if t.name not in rw:
+                wire_specs.append(t)
+                owners[t.name] = plan.owners[t.name]
+                continue
+            bounds = rowwise.check_row_wise(t.name, pooling[t.name], t.num_embeddings, world)
+            for r in range(world):
+                name = rowwise.shard_name(t.name, r)
+                lo, hi = bounds[r], bounds[r + 1]
+                features = tuple(rowwise.shard_features(t.feature_names, r))
+                wire_specs.append(TableSpec(name, hi - lo, t.embedding_dim, features))
+                owners[name] = r
+                row_blocks[name] = (t.name, r, lo, hi)
+            rw_features += t.feature_names
+            rw_bounds += [bounds] * len(t.feature_names)
+            rw_mean += [pooling[t.name] == "mean"] * len(t.feature_names)
+        wire_plan = ShardingPlan(owners, world)
+        self._rows = rowwise.RowShards(
+            tuple(rw_features), tuple(rw_bounds), tuple(rw_mean), tuple(keys), tuple(dims), world
+        )
+        wire_keys, wire_dims = self._rows.wire_keys()
         local_keys = [
-            [f for t in plan.tables_of(r, specs) for f in t.feature_names] for r in range(world)
+            [f for t in wire_plan.tables_of(r, wire_specs) for f in t.feature_names]
+            for r in range(world)
         ]
         send_keys = [f for lk in local_keys for f in lk]
         self.plan = plan
@@ -124,12 +213,14 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self.world_size = world
         self.keys = tuple(keys)
         self.dims = tuple(dims)
+        self._wire_keys = tuple(wire_keys)
+        self._wire_dims = tuple(wire_dims)
         self._send_keys = tuple(send_keys)
         self._dims_per_rank = tuple(
-            sum(t.embedding_dim * len(t.feature_names) for t in plan.tables_of(r, specs))
+            sum(t.embedding_dim * len(t.feature_names) for t in wire_plan.tables_of(r, wire_specs))
             for r in range(world)
         )
-        self._columns = dist_ops.columns_of(keys, dims, local_keys)
+        self._columns = dist_ops.columns_of(wire_keys, wire_dims, local_keys)
         self._group_name = group_name(pg)
         self._local_keys = tuple(local_keys[rank])
         self._layout = dist_ops.IdsLayout(
@@ -138,10 +229,11 @@ class ShardedEmbeddingBagCollection(nn.Module):
             tuple(local_keys[rank]),
             self._group_name,
         )
-        mine = {t.name for t in plan.tables_of(rank, specs)}
-        self.embedding_bags_local = _local_collection(ebc, mine) if mine else None
+        self._row_blocks = {k: v for k, v in row_blocks.items() if v[1] == rank}
+        mine = [t.name for t in wire_plan.tables_of(rank, wire_specs)]
+        self.embedding_bags_local = _local_collection(ebc, mine, self._row_blocks) if mine else None
         logger.info(
-            "rank %d owns tables %s (%d of %d rows*dim)",
+            "rank %d holds tables %s (%d of %d rows*dim)",
             rank,
             sorted(mine),
             plan.load(specs)[rank],
@@ -150,33 +242,75 @@ class ShardedEmbeddingBagCollection(nn.Module):
 
     # -- state: original keys ---------------------------------------------------------------
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
-        """This rank's tables, under the unsharded collection's keys."""
+        """This rank's tables under the unsharded collection's keys; for a row-wise table,
+        this rank's block of rows (``row_range(table)`` says which)."""
         if self.embedding_bags_local is None:
             return {}
-        return self.embedding_bags_local.state_dict(*args, **kwargs)
+        local = self.embedding_bags_local.state_dict(*args, **kwargs)
+        return {_source_key(k, self._row_blocks): v for k, v in local.items()}
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
-        """Load this rank's tables from a full (or this rank's) state dict."""
+        """Load this rank's tables from a full (or this rank's) state dict.
+
+        A row-wise table's entry may be the whole table (this rank's rows are taken) or
+        this rank's block.
+        """
         if self.embedding_bags_local is None:
             return None
-        want = self.embedding_bags_local.state_dict().keys()
-        return self.embedding_bags_local.load_state_dict(
-            {k: v for k, v in state_dict.items() if k in want}, strict=strict, assign=assign
-        )
+        state = {}
+        for key, want in self.embedding_bags_local.state_dict().items():
+            src = _source_key(key, self._row_blocks)
+            if src not in state_dict:
+                continue
+            value = state_dict[src]
+            if value.shape != want.shape:
+                value = _rows_of(value, key, self._row_blocks)
+            state[key] = value
+        return self.embedding_bags_local.load_state_dict(state, strict=strict, assign=assign)
+
+    def row_range(self, table: str) -> tuple[int, int] | None:
+        """The rows ``[first, end)`` of row-wise ``table`` this rank holds (None otherwise)."""
+        for name, lo, hi in ((v[0], v[2], v[3]) for v in self._row_blocks.values()):
+            if name == table:
+                return lo, hi
+        return None
 
     # -- forward ----------------------------------------------------------------------------
     def forward(self, features: Any) -> KeyedTensor:
         kjt = as_kjt(features)
-        counts = dist_ops.request_counts(kjt, self._layout)
+        counts = dist_ops.request_counts(self._route(kjt), self._layout)
         splits = dist_ops.wait_counts(counts)
         handle = dist_ops.send_ids(splits)
-        local = dist_ops.wait_ids(handle)
+        return self.finish(dist_ops.wait_ids(handle), handle, kjt)
+
+    def _route(self, kjt: Any) -> Any:
+        """Ids of row-wise tables to their row blocks (nothing to do without any)."""
+        if not self._rows.features:
+            return kjt
+        return rowwise.split_rows(kjt, self._rows)
+
+    def request_ids(self, features: Any) -> tuple[Any, dist_ops.IdsHandle]:
+        """Start the ids all-to-all for ``features``: (their KJT, the handle for ``finish``)."""
+        kjt = as_kjt(features)
+        return kjt, dist_ops.request_ids(self._route(kjt), self._layout)
+
+    def finish(self, local: Any, handle: dist_ops.IdsHandle, kjt: Any) -> KeyedTensor:
+        """Lookup of the received ids, pooled all-to-all back, this rank's ``KeyedTensor``."""
         pooled = _lookup(self.embedding_bags_local, local, self._dims_per_rank[self.rank])
         sent = dist_ops.request_pooled(pooled, handle, self._dims_per_rank)
         received = dist_ops.wait_pooled(sent)
-        return dist_ops.assemble_pooled(
-            received, handle, self._dims_per_rank, self._columns, self.keys, self.dims
+        kt = dist_ops.assemble_pooled(
+            received, handle, self._dims_per_rank, self._columns, self._wire_keys, self._wire_dims
         )
+        if not self._rows.features:
+            return kt
+        return rowwise.merge_row_shards(kt, kjt, self._rows)
+
+
+def _pooling(config: Any) -> str:
+    raw = getattr(config, "pooling", "sum")
+    raw = getattr(raw, "value", raw)
+    return str(raw).lower()
 
 
 @torch.fx.wrap
@@ -209,7 +343,17 @@ def _empty_pooled(kjt: KeyedJaggedTensor, width: int) -> torch.Tensor:
 
 
 def shard(
-    ebc: nn.Module, plan: ShardingPlan | None = None, pg: dist.ProcessGroup | None = None
+    ebc: nn.Module,
+    plan: ShardingPlan | None = None,
+    pg: dist.ProcessGroup | None = None,
+    *,
+    row_wise: Sequence[str] = (),
 ) -> ShardedEmbeddingBagCollection:
-    """Shard ``ebc`` table-wise over ``pg`` (default group); greedy plan if none is given."""
+    """Shard ``ebc`` over ``pg`` (default group). Without a ``plan``: the greedy plan, with
+    the tables named in ``row_wise`` split by rows over every rank."""
+    if plan is None and row_wise:
+        world = (pg if pg is not None else dist.group.WORLD).size() if dist.is_initialized() else 1
+        plan = greedy_plan(table_specs(ebc), world, row_wise)
+    elif plan is not None and row_wise:
+        raise ValueError("pass row_wise to greedy_plan, or give a plan: not both")
     return ShardedEmbeddingBagCollection(ebc, plan, pg)

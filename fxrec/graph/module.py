@@ -403,7 +403,8 @@ def optimize(
             come to share storage with one flat parameter (values unchanged).
         example_inputs: if given, the graph for these inputs is captured and optimized now
             (and the report filled in); otherwise on the first call.
-        rules: rule names, classes or instances to run (default: all registered rules).
+        rules: rule names, classes or instances to run (default: every registered rule but
+            the opt-in ones; ``["default", "overlap_comm"]`` adds one to them).
         keep_params: keep the original parameter objects as the trained leaves (fused weights
             are then gathered in-graph each step). Use it only if you cannot build your
             optimizer after ``optimize``.

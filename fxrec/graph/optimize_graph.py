@@ -36,20 +36,29 @@ def strict_mode() -> bool:
     return os.environ.get("FXREC_STRICT", "0") not in ("", "0")
 
 
+DEFAULT = "default"
+
+
 def resolve_rules(rules: RuleSpec = None, exclude: Iterable[str] = ()) -> list[Rule]:
-    """Rule instances from names, classes or instances (default: every registered rule)."""
+    """Rule instances from names, classes or instances (default: every registered rule that
+    is not opt-in). The name ``"default"`` stands for those, so that opt-in rules can be
+    added to them: ``["default", "overlap_comm"]``."""
     registry = registered_rules()
-    if rules is None:
-        chosen: list[str | Rule | type[Rule]] = [
-            r for r in registry.values() if not getattr(r, "opt_in", False)
-        ]
-    else:
-        chosen = list(rules)
+    defaults = [r for r in registry.values() if not getattr(r, "opt_in", False)]
+    chosen: list[str | Rule | type[Rule]] = []
+    for r in [DEFAULT] if rules is None else list(rules):
+        if r == DEFAULT:
+            chosen += [d for d in defaults if d not in chosen]
+        elif r not in chosen:
+            chosen.append(r)
     out: list[Rule] = []
     for r in chosen:
         if isinstance(r, str):
             if r not in registry:
-                raise ValueError(f"unknown rule {r!r}; known rules: {', '.join(sorted(registry))}")
+                raise ValueError(
+                    f"unknown rule {r!r}; known rules: {', '.join(sorted(registry))} "
+                    f"({DEFAULT!r} for every rule that is not opt-in)"
+                )
             r = registry[r]
         inst = r() if isinstance(r, type) else r
         if inst.name not in exclude:

@@ -81,9 +81,6 @@ class InputDist:
                 )
 
     def _install(self, m: nn.Module) -> None:
-        from fxrec.distributed import dist_ops
-        from fxrec.distributed.sharded_ebc import as_kjt
-
         original = m.forward
         pending = self._pending
 
@@ -96,16 +93,13 @@ class InputDist:
             return _forward_from_ids(m, entry[1])
 
         m.forward = forward  # type: ignore[method-assign]
-        m._fxrec_pipeline_forward = (original, as_kjt, dist_ops)  # type: ignore[attr-defined]
+        m._fxrec_pipeline_forward = original  # type: ignore[attr-defined]
 
     def start(self, batch: Any) -> None:
         """Request batch's ids for every enabled collection (call between forward and backward)."""
         self._finish_probe()
         if not self.enabled:
             return
-        from fxrec.distributed import dist_ops
-        from fxrec.distributed.sharded_ebc import as_kjt
-
         sparse = batch.sparse
         parts = list(sparse) if isinstance(sparse, (tuple, list)) else [sparse]
         for m in self.enabled:
@@ -113,13 +107,13 @@ class InputDist:
             if stale is not None:
                 _drain(stale[1])
             features = parts[self._where[id(m)]]
-            self._pending[id(m)] = (features, dist_ops.request_ids(as_kjt(features), m._layout))
+            self._pending[id(m)] = (features, m.request_ids(features))
 
     def discard(self) -> None:
         """Drop ids requested for a batch that will not run (wait so buffers are released)."""
         self._finish_probe()
-        for _, handle in list(self._pending.values()):
-            _drain(handle)
+        for _, request in list(self._pending.values()):
+            _drain(request)
         self._pending.clear()
 
     def restore(self) -> None:
@@ -132,18 +126,15 @@ class InputDist:
         self.enabled = []
 
 
-def _drain(handle: Any) -> None:
+def _drain(request: Any) -> None:
+    _, handle = request
     for w in getattr(handle, "works", ()):
         w.wait()
 
 
-def _forward_from_ids(m: nn.Module, handle: Any) -> Any:
+def _forward_from_ids(m: Any, request: Any) -> Any:
     """The collection's forward, from an ids request already in flight."""
     from fxrec.distributed import dist_ops
-    from fxrec.distributed.sharded_ebc import _lookup
 
-    local = dist_ops.wait_ids(handle)
-    pooled = _lookup(m.embedding_bags_local, local, m._dims_per_rank[m.rank])
-    sent = dist_ops.request_pooled(pooled, handle, m._dims_per_rank)
-    received = dist_ops.wait_pooled(sent)
-    return dist_ops.assemble_pooled(received, handle, m._dims_per_rank, m._columns, m.keys, m.dims)
+    kjt, handle = request
+    return m.finish(dist_ops.wait_ids(handle), handle, kjt)

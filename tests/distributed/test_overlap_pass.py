@@ -94,8 +94,16 @@ def test_request_raised_wait_sunk_dense_between(fake_pg: str) -> None:
 
 
 def test_not_in_the_default_rules(fake_pg: str) -> None:
+    from fxrec.graph.optimize_graph import resolve_rules
+
     opt = fxrec.optimize(DenseFirst(fake_pg), _inputs(), check=False)
     assert opt.fxrec_report.count("overlap_comm") == 0
+    defaults = [r.name for r in resolve_rules()]
+    assert "overlap_comm" not in defaults
+    both = [r.name for r in resolve_rules(["default", "overlap_comm", "default"])]
+    assert both == [*defaults, "overlap_comm"]  # "default" adds each rule once
+    opt = fxrec.optimize(DenseFirst(fake_pg), _inputs(), check=False, rules=both)
+    assert opt.fxrec_report.count("overlap_comm") == 1
 
 
 def test_schedule_is_a_fixed_point(fake_pg: str) -> None:
@@ -326,14 +334,15 @@ class TinyDLRM(nn.Module):
         return self.over(torch.cat([d, kt.values()], 1))
 
 
-def _dlrm_overlapped(rank: int, world: int) -> None:
+def _dlrm_overlapped(rank: int, world: int, row_wise: tuple[str, ...]) -> None:
     from fxrec.distributed import shard
     from tests.distributed.test_sharded_ebc import make_batch, make_ebc
 
     ebc = make_ebc(n_tables=4)
     torch.manual_seed(5)
     model = TinyDLRM(
-        shard(ebc), sum(c.embedding_dim * len(c.feature_names) for c in ebc.embedding_bag_configs())
+        shard(ebc, row_wise=row_wise),
+        sum(c.embedding_dim * len(c.feature_names) for c in ebc.embedding_bag_configs()),
     )
     batch = 4 + rank
     kjt = make_batch(ebc, rank, batch, False)
@@ -361,5 +370,8 @@ def _dlrm_overlapped(rank: int, world: int) -> None:
 
 
 @pytest.mark.distributed
-def test_overlap_on_two_gloo_ranks() -> None:
-    run_ranks(2, _dlrm_overlapped)
+@pytest.mark.parametrize("row_wise", [(), ("t0", "t2")])
+def test_overlap_on_two_gloo_ranks(row_wise: tuple[str, ...]) -> None:
+    # with row-wise tables the ids are routed to their row blocks inside the first window's
+    # cone, and the shards' partial sums merged after the last wait
+    run_ranks(2, _dlrm_overlapped, row_wise)

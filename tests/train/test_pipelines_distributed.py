@@ -34,7 +34,7 @@ class ShardedRanker(nn.Module):
         return self.over(torch.cat([self.dense_arch(dense), self.ebc(sparse).values()], 1))
 
 
-def _build():
+def _build(row_wise: tuple[str, ...] = ()):
     from fxrec.distributed import shard
     from fxrec.nn import EmbeddingBagCollection, EmbeddingBagConfig
 
@@ -43,15 +43,16 @@ def _build():
         EmbeddingBagConfig(num_embeddings=NUM_EMB, embedding_dim=4, name=f"t{i}", feature_names=[k])
         for i, k in enumerate(KEYS)
     ]
-    model = ShardedRanker(shard(EmbeddingBagCollection(tables=tables, is_weighted=True)))
+    ebc = EmbeddingBagCollection(tables=tables, is_weighted=True)
+    model = ShardedRanker(shard(ebc, row_wise=row_wise))
     return model, torch.optim.SGD(model.parameters(), lr=0.1)
 
 
-def _pipelines_agree(rank: int, world: int, input_type: str) -> None:
+def _pipelines_agree(rank: int, world: int, input_type: str, row_wise: tuple[str, ...]) -> None:
     batches = make_batches(KEYS, 5, input_type=input_type, weighted=True, seed=10 + rank)
     results = []
     for cls in (TrainPipelineBase, TrainPipelineSparseDist):
-        model, opt = _build()
+        model, opt = _build(row_wise)
         with cls(model, opt) as pipe:
             losses = pipe.run(batches)
             if cls is TrainPipelineSparseDist:
@@ -66,8 +67,8 @@ def _pipelines_agree(rank: int, world: int, input_type: str) -> None:
 
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(not _have_collection(), reason="needs fxrec.nn.EmbeddingBagCollection")
-@pytest.mark.parametrize("input_type", ["kjt", "td"])
-def test_two_ranks_same_losses_and_parameters(input_type):
+@pytest.mark.parametrize("input_type,row_wise", [("kjt", ()), ("td", ()), ("kjt", ("t1",))])
+def test_two_ranks_same_losses_and_parameters(input_type, row_wise):
     from tests.distributed.launch import run_ranks
 
-    run_ranks(2, _pipelines_agree, input_type, timeout=30.0, deadline=100.0)
+    run_ranks(2, _pipelines_agree, input_type, row_wise, timeout=30.0, deadline=100.0)
