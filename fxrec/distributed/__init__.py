@@ -1,6 +1,7 @@
 """Sharded embeddings on ``torch.distributed`` (gloo on CPU, NCCL on GPU, via torchrun).
 
-``shard(ebc)`` places an embedding collection's tables on ranks; ids and pooled embeddings
+``shard(ebc)`` places an embedding collection's tables on ranks (``row_wise=[...]`` splits
+the named tables by rows over every rank instead); ids and pooled embeddings
 travel by all-to-all, each written as a request and a wait so that the overlap pass
 (``rules=[..., "overlap_comm"]``) can run independent compute while they are in flight.
 """

@@ -138,10 +138,11 @@ def _rows_of(
 
 
 class ShardedEmbeddingBagCollection(nn.Module):
-    """Table-wise sharded ``EmbeddingBagCollection`` over a process group.
+    """Sharded ``EmbeddingBagCollection`` over a process group: table-wise, and row-wise for
+    the tables the plan names in ``row_wise``.
 
     Every rank constructs it from the same (identically initialised) collection; each keeps
-    only its own tables. ``forward`` takes this rank's local batch (KJT, or TensorDict of
+    only its own tables and its block of each row-wise table. ``forward`` takes this rank's local batch (KJT, or TensorDict of
     jagged tensors) and returns what the unsharded collection returns for that batch.
     ``state_dict`` holds this rank's tables under the original keys.
     """
