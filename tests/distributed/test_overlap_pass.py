@@ -375,3 +375,28 @@ def test_overlap_on_two_gloo_ranks(row_wise: tuple[str, ...]) -> None:
     # with row-wise tables the ids are routed to their row blocks inside the first window's
     # cone, and the shards' partial sums merged after the last wait
     run_ranks(2, _dlrm_overlapped, row_wise)
+
+
+def test_compute_nice_lowers_the_calling_thread_only() -> None:
+    # The overlap benchmark's --compute-nice: the compute thread yields to threads started
+    # before (gloo's), which keep their priority.
+    import os
+    import threading
+
+    from fxrec.bench.overlap import _lower_this_thread
+
+    main_before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    seen = []
+
+    def worker() -> None:
+        tid = threading.get_native_id()
+        before = os.getpriority(os.PRIO_PROCESS, tid)
+        _lower_this_thread(2)
+        seen.append((os.getpriority(os.PRIO_PROCESS, tid), min(19, before + 2)))
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    (got, want) = seen[0]
+    assert got == want  # nice values stop at 19
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == main_before
