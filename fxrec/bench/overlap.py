@@ -101,6 +101,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--hidden", type=int, default=512)
     p.add_argument("--timeout", type=float, default=120.0)
     p.add_argument(
+        "--row-wise",
+        type=int,
+        default=0,
+        metavar="K",
+        help="split the first K tables by rows over every rank (the rest stay table-wise)",
+    )
+    p.add_argument(
         "--compute-nice",
         type=int,
         default=0,
@@ -131,7 +138,8 @@ def main(argv: list[str] | None = None) -> None:
             for i, n in enumerate(names)
         ]
     )
-    model = DenseFirstDLRM(shard(ebc), 256, args.hidden, args.tables * args.dim)
+    row_wise = [f"t{i}" for i in range(min(args.row_wise, args.tables))]
+    model = DenseFirstDLRM(shard(ebc, row_wise=row_wise), 256, args.hidden, args.tables * args.dim)
     dense = torch.randn(args.batch, 256, generator=torch.Generator().manual_seed(rank))
     example = (dense, _batch(names, args.rows, args.batch, 4, 1000 + rank))
     variants = {
@@ -238,7 +246,7 @@ def _summarize(per_rank: list[dict], args: argparse.Namespace, steps: int, repor
         )
     print_table(
         f"overlap: {len(per_rank)} ranks gloo loopback, {args.tables} tables x {args.rows} x "
-        f"{args.dim}, batch {args.batch}/rank, MLP 256-{args.hidden}-{args.hidden}-64, train "
+        f"{args.dim}{f' ({args.row_wise} row-wise)' if args.row_wise else ''}, batch {args.batch}/rank, MLP 256-{args.hidden}-{args.hidden}-64, train "
         f"step, {steps} interleaved steps, torch.set_num_threads({THREADS_PER_RANK}) per rank "
         f"+ gloo's transport threads{_nice_note(args)} (ms; diff = blocking - overlapped, median [p10, p90] of "
         "paired steps)",
