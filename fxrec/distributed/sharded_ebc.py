@@ -142,9 +142,10 @@ class ShardedEmbeddingBagCollection(nn.Module):
     the tables the plan names in ``row_wise``.
 
     Every rank constructs it from the same (identically initialised) collection; each keeps
-    only its own tables and its block of each row-wise table. ``forward`` takes this rank's local batch (KJT, or TensorDict of
-    jagged tensors) and returns what the unsharded collection returns for that batch.
-    ``state_dict`` holds this rank's tables under the original keys.
+    only its own tables and its block of each row-wise table. ``forward`` takes this rank's
+    local batch (KJT, or TensorDict of jagged tensors) and returns what the unsharded
+    collection returns for that batch. ``state_dict`` holds this rank's tables under the
+    original keys (for a row-wise table, this rank's rows: :meth:`row_range`).
     """
 
     def __init__(
@@ -174,34 +175,9 @@ class ShardedEmbeddingBagCollection(nn.Module):
                     raise ValueError(f"feature {f!r} feeds two tables; give each table its own")
                 keys.append(f)
                 dims.append(t.embedding_dim)
-        # The wire: row-wise tables become one table-wise shard per rank.
         pooling = {c.name: _pooling(c) for c in _configs(ebc)}
-        rw = set(plan.row_wise)
-        wire_specs: list[TableSpec] = []
-        owners: dict[str, int] = {}
-        row_blocks: dict[str, tuple[str, int, int, int]] = {}
-        rw_features: list[str] = []
-        rw_bounds: list[tuple[int, ...]] = []
-        rw_mean: list[bool] = []
-        for t in specs:
-            if t.name not in rw:
-                wire_specs.append(t)
-                owners[t.name] = plan.owners[t.name]
-                continue
-            bounds = rowwise.check_row_wise(t.name, pooling[t.name], t.num_embeddings, world)
-            for r in range(world):
-                name = rowwise.shard_name(t.name, r)
-                lo, hi = bounds[r], bounds[r + 1]
-                features = tuple(rowwise.shard_features(t.feature_names, r))
-                wire_specs.append(TableSpec(name, hi - lo, t.embedding_dim, features))
-                owners[name] = r
-                row_blocks[name] = (t.name, r, lo, hi)
-            rw_features += t.feature_names
-            rw_bounds += [bounds] * len(t.feature_names)
-            rw_mean += [pooling[t.name] == "mean"] * len(t.feature_names)
-        wire_plan = ShardingPlan(owners, world)
-        self._rows = rowwise.RowShards(
-            tuple(rw_features), tuple(rw_bounds), tuple(rw_mean), tuple(keys), tuple(dims), world
+        wire_specs, wire_plan, row_blocks, self._rows = _wire(
+            specs, plan, pooling, tuple(keys), tuple(dims)
         )
         wire_keys, wire_dims = self._rows.wire_keys()
         local_keys = [
@@ -306,6 +282,46 @@ class ShardedEmbeddingBagCollection(nn.Module):
         if not self._rows.features:
             return kt
         return rowwise.merge_row_shards(kt, kjt, self._rows)
+
+
+def _wire(
+    specs: list[TableSpec],
+    plan: ShardingPlan,
+    pooling: dict[str, str],
+    keys: tuple[str, ...],
+    dims: tuple[int, ...],
+) -> tuple[list[TableSpec], ShardingPlan, dict[str, tuple[str, int, int, int]], Any]:
+    """What travels: each row-wise table becomes one table-wise row shard per rank.
+
+    Returns the tables and plan of the wire, the row shards (name -> table, rank, first
+    row, end row) and the :class:`~fxrec.distributed.row_wise.RowShards` of the features.
+    """
+    world = plan.world_size
+    rw = set(plan.row_wise)
+    wire_specs: list[TableSpec] = []
+    owners: dict[str, int] = {}
+    row_blocks: dict[str, tuple[str, int, int, int]] = {}
+    features: list[str] = []
+    bounds_of: list[tuple[int, ...]] = []
+    mean: list[bool] = []
+    for t in specs:
+        if t.name not in rw:
+            wire_specs.append(t)
+            owners[t.name] = plan.owners[t.name]
+            continue
+        bounds = rowwise.check_row_wise(t.name, pooling[t.name], t.num_embeddings, world)
+        for r in range(world):
+            name = rowwise.shard_name(t.name, r)
+            lo, hi = bounds[r], bounds[r + 1]
+            shard_features = tuple(rowwise.shard_features(t.feature_names, r))
+            wire_specs.append(TableSpec(name, hi - lo, t.embedding_dim, shard_features))
+            owners[name] = r
+            row_blocks[name] = (t.name, r, lo, hi)
+        features += t.feature_names
+        bounds_of += [bounds] * len(t.feature_names)
+        mean += [pooling[t.name] == "mean"] * len(t.feature_names)
+    shards = rowwise.RowShards(tuple(features), tuple(bounds_of), tuple(mean), keys, dims, world)
+    return wire_specs, ShardingPlan(owners, world), row_blocks, shards
 
 
 def _pooling(config: Any) -> str:
