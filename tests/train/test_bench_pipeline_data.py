@@ -100,6 +100,27 @@ def test_goal_verdicts_follow_the_throughputs():
     assert got[f"fxrec on faster than off ({sd}, td)"] is True
 
 
+def test_goal_ratios_are_paired_round_by_round():
+    # A slow round (the machine drifted) hits both variants; paired ratios cancel it, while
+    # the medians over all steps would not.
+    sd, bs = "TrainPipelineSparseDist", "TrainPipelineBase"
+
+    def row(p, i, f, rounds):
+        return {"pipeline": p, "input": i, "fxrec": f, "throughput": 1.0, "round_p50_ms": rounds}
+
+    rows = [
+        row(sd, "kjt", "on", [10.0, 10.0, 30.0]),
+        row(sd, "td", "on", [10.1, 10.1, 30.3]),  # 1% slower in every round
+        row(bs, "kjt", "on", [11.0, 33.0, 33.0]),  # SparseDist 1.1x faster in every round
+    ]
+    got = {g["goal"]: g for g in _goals(rows)}
+    gap = got[f"TD within 2% of KJT throughput ({sd}, fxrec on)"]
+    assert gap["met"] and abs(gap["value"] - 0.99) < 0.01
+    assert "rounds 0.99-0.99" in gap["detail"]
+    faster = got[f"{sd} faster than {bs} (kjt, fxrec on)"]
+    assert faster["met"] and abs(faster["value"] - 1.1) < 1e-9
+
+
 def test_fxrec_on_variant_computes_the_model_and_fuses_its_per_feature_chain():
     # What "fxrec on" runs: combine_inputs (symbolic tracing of the model) then optimize.
     import copy
