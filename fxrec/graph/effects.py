@@ -47,8 +47,10 @@ def _owner_module(node: fx.Node) -> nn.Module | None:
 
 
 def mutates_input(node: fx.Node) -> bool:
-    """True for in-place ops: ``x.relu_()``, ``F.relu(x, inplace=True)``, ``nn.ReLU(inplace=True)``."""
-    if node.kwargs.get("inplace") is True:
+    """True for in-place ops: ``x.relu_()``, ``F.relu(x, inplace=True)``,
+    ``nn.ReLU(inplace=True)``, and ops writing into ``out=`` (``torch.cumsum(x, 0, out=y)``,
+    whose result is often unused: only the write keeps it alive)."""
+    if node.kwargs.get("inplace") is True or node.kwargs.get("out") is not None:
         return True
     if node.op == "call_method" and isinstance(node.target, str):
         return node.target.endswith("_") and not node.target.endswith("__")

@@ -262,3 +262,36 @@ def _row_wise_errors(rank: int, world: int) -> None:
 @pytest.mark.distributed
 def test_row_wise_errors() -> None:
     run_ranks(2, _row_wise_errors)
+
+
+def _compiled_matches(rank: int, world: int, row_wise: tuple[str, ...]) -> None:
+    # torch.compile with fxrec's backend around a model holding a sharded collection: dynamo
+    # breaks the graph at each exchange; the pieces fxrec rewrites must compute the same.
+    import fxrec
+    from tests.distributed.test_overlap_pass import TinyDLRM
+    from tests.distributed.test_sharded_ebc import make_batch, make_ebc
+
+    ebc = make_ebc(n_tables=4)
+    torch.manual_seed(5)
+    width = sum(c.embedding_dim * len(c.feature_names) for c in ebc.embedding_bag_configs())
+    model = TinyDLRM(shard(ebc, row_wise=row_wise), width)
+    compiled = torch.compile(model, backend=fxrec.compile_backend())
+    for step in range(2):
+        kjt = make_batch(ebc, rank + 10 * step, 4 + rank, False)
+        dense = torch.randn(4 + rank, 6, generator=torch.Generator().manual_seed(step))
+        ref = model(dense, kjt)
+        ref.sum().backward()
+        want = {k: p.grad.clone() for k, p in model.named_parameters()}
+        model.zero_grad()
+        got = compiled(dense, kjt)
+        got.sum().backward()
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+        for k, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, want[k], rtol=1e-5, atol=1e-6)
+        model.zero_grad()
+
+
+@pytest.mark.distributed
+def test_sharded_model_under_torch_compile_with_fxrec_backend() -> None:
+    # t1 and t3 stay table-wise: both kinds in one model
+    run_ranks(2, _compiled_matches, ("t0", "t2"), deadline=120.0)

@@ -271,3 +271,34 @@ def test_report_counts_kernels_without_side_effects() -> None:
     assert "kernels forward 4 -> " in str(rep)
     assert x.grad is None and all(p.grad is None for p in opt.parameters())
     assert all(p.grad is None for p in model.parameters())
+
+
+class OffsetsByOut(nn.Module):
+    """``cumsum(..., out=view)``: the op's result is unused; only its write matters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(1))
+
+    def forward(self, lengths: torch.Tensor) -> torch.Tensor:
+        offsets = lengths.new_zeros(lengths.shape[0] + 1)
+        torch.cumsum(lengths, 0, out=offsets[1:])
+        return offsets * self.scale
+
+
+@pytest.mark.parametrize("how", ["optimize", "compile_backend"])
+def test_writes_through_out_are_kept(how: str) -> None:
+    # Dead-code elimination must not drop an op whose work is its out= write (a sharded
+    # collection builds its offsets this way).
+    model = OffsetsByOut()
+    lengths = torch.randint(0, 5, (6,)).float()
+    if how == "optimize":
+        run = fxrec.optimize(model, (lengths,), check=False)  # no fallback to hide a drop
+    else:
+        run = torch.compile(model, backend=fxrec.compile_backend())
+    for _ in range(2):
+        lengths = torch.randint(0, 5, (6,)).float()
+        want = model(lengths)
+        got = run(lengths)
+        torch.testing.assert_close(got, want)
+        assert got[-1] == lengths.sum()
