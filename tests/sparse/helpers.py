@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from hypothesis import strategies as st
+from tensordict import TensorDict
 
 from fxrec.sparse import KeyedJaggedTensor
 
@@ -108,3 +110,30 @@ def ref_features(
         bags[k] = rows
         wbags[k] = [[round(0.5 + 0.25 * (i % 7), 2) for i in r] for r in rows]
     return RefFeatures(keys, bags, wbags if is_w else None, is_var)
+
+
+def td_parts(td: Any, keys: list[str]) -> tuple[list, list, list | None]:
+    """Each feature's ids, offsets and weights (or None) of a TensorDict."""
+    ids, offs, wts = [], [], []
+    for k in keys:
+        e = td[k]
+        njt = e["values"] if isinstance(e, TensorDict) else e
+        ids.append(njt.values())
+        offs.append(njt.offsets())
+        wts.append(e["weights"].values() if isinstance(e, TensorDict) else None)
+    return ids, offs, (wts if wts and wts[0] is not None else None)
+
+
+def separate_buffers(td: Any, keys: list[str]) -> TensorDict:
+    """The same features with every tensor in its own buffer, via the public constructors."""
+    ids, offs, wts = td_parts(td, keys)
+    out: dict[str, Any] = {}
+    for i, k in enumerate(keys):
+        o = offs[i].clone()
+        njt = torch.nested.nested_tensor_from_jagged(ids[i].clone(), offsets=o)
+        if wts is None:
+            out[k] = njt
+        else:
+            w = torch.nested.nested_tensor_from_jagged(wts[i].clone(), offsets=o)
+            out[k] = TensorDict({"values": njt, "weights": w}, batch_size=[o.numel() - 1])
+    return TensorDict(out, batch_size=td.batch_size)

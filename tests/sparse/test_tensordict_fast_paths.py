@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from hypothesis import given
 from tensordict import TensorDict
@@ -17,33 +15,14 @@ from fxrec.sparse import (
     tensordict_from_jagged,
 )
 from fxrec.sparse.tensordict_interop import join_values, prepared_kjts, tensordict_parts
-from tests.sparse.helpers import RefFeatures, kjt_bags, ref_bags, ref_features
-
-
-def _parts(td: Any, keys: list[str]) -> tuple[list, list, list | None]:
-    ids, offs, wts = [], [], []
-    for k in keys:
-        e = td[k]
-        njt = e["values"] if isinstance(e, TensorDict) else e
-        ids.append(njt.values())
-        offs.append(njt.offsets())
-        wts.append(e["weights"].values() if isinstance(e, TensorDict) else None)
-    return ids, offs, (wts if wts and wts[0] is not None else None)
-
-
-def _separate(td: Any, keys: list[str]) -> TensorDict:
-    """The same features with every tensor in its own buffer, via the public constructors."""
-    ids, offs, wts = _parts(td, keys)
-    out: dict[str, Any] = {}
-    for i, k in enumerate(keys):
-        o = offs[i].clone()
-        njt = torch.nested.nested_tensor_from_jagged(ids[i].clone(), offsets=o)
-        if wts is None:
-            out[k] = njt
-        else:
-            w = torch.nested.nested_tensor_from_jagged(wts[i].clone(), offsets=o)
-            out[k] = TensorDict({"values": njt, "weights": w}, batch_size=[o.numel() - 1])
-    return TensorDict(out, batch_size=td.batch_size)
+from tests.sparse.helpers import (
+    RefFeatures,
+    kjt_bags,
+    ref_bags,
+    ref_features,
+    separate_buffers,
+    td_parts,
+)
 
 
 def _same_kjt(a: KeyedJaggedTensor, b: KeyedJaggedTensor) -> None:
@@ -64,7 +43,7 @@ def test_one_buffer_input_is_viewed_and_equals_the_copying_path(ref: RefFeatures
     kjt = ref.kjt()
     one = kjt_to_tensordict(kjt)  # every feature's ids are adjacent slices of kjt.values()
     viewed = kjt_from_tensordict(one)
-    copied = kjt_from_tensordict(_separate(one, ref.keys))
+    copied = kjt_from_tensordict(separate_buffers(one, ref.keys))
     _same_kjt(viewed, copied)
     assert kjt_bags(viewed) == ref_bags(ref)
     if kjt.values().numel():
@@ -100,7 +79,7 @@ def test_adjacent_addresses_but_strided_parts_are_copied() -> None:
 @given(ref_features(max_keys=5, max_batch=4))
 def test_builder_matches_the_public_constructors(ref: RefFeatures) -> None:
     public = kjt_to_tensordict(ref.kjt())
-    ids, offs, wts = _parts(public, ref.keys)
+    ids, offs, wts = td_parts(public, ref.keys)
     fast = tensordict_from_jagged(ref.keys, ids, offs, wts)
     assert list(fast.keys()) == ref.keys
     assert fast.batch_size == public.batch_size
@@ -121,7 +100,10 @@ def test_builder_matches_the_public_constructors(ref: RefFeatures) -> None:
 def test_parts_joined_are_the_conversion(ref: RefFeatures) -> None:
     # The packer copies a TensorDict's parts once into its own buffer; joined here, they must
     # be what kjt_from_tensordict gives, for separate buffers and for one buffer (a view).
-    for td in (_separate(kjt_to_tensordict(ref.kjt()), ref.keys), kjt_to_tensordict(ref.kjt())):
+    for td in (
+        separate_buffers(kjt_to_tensordict(ref.kjt()), ref.keys),
+        kjt_to_tensordict(ref.kjt()),
+    ):
         want = kjt_from_tensordict(td)
         p = tensordict_parts(td)
         assert p.keys == ref.keys and len(p.values) == len(ref.keys)
@@ -154,7 +136,7 @@ def _td() -> TensorDict:
     kjt = KeyedJaggedTensor(
         ["a", "b", "c"], torch.arange(7), lengths=torch.tensor([1, 2, 0, 1, 3, 0])
     )
-    return _separate(kjt_to_tensordict(kjt), ["a", "b", "c"])
+    return separate_buffers(kjt_to_tensordict(kjt), ["a", "b", "c"])
 
 
 def test_prepared_kjt_is_returned_for_the_same_keys_only() -> None:

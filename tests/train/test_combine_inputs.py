@@ -13,6 +13,7 @@ import fxrec
 from fxrec.passes.combine_inputs import combine_inputs
 from fxrec.sparse import CombinedFeatures, JaggedTensor, KeyedJaggedTensor, kjt_to_tensordict
 from fxrec.train import transfer_count
+from tests.sparse.helpers import RefFeatures, ref_features, separate_buffers
 from tests.train.helpers import NUM_EMB, TinyRanker, make_kjt
 
 PS = torch.ops.fxrec.permute_and_split.default
@@ -281,3 +282,41 @@ def test_clear_errors():
     _, p2 = combine_inputs(model, (torch.randn(2, 3), kjt))
     with pytest.raises(ValueError, match="not in"):
         p2(torch.randn(2, 3), KeyedJaggedTensor(["zz"], kjt.values(), lengths=kjt.lengths()))
+
+
+@torch.fx.wrap
+def _read(features):
+    return fxrec.sparse.kjt_from_tensordict(features).values().float().sum()
+
+
+class ReadsTwoTensorDicts(nn.Module):
+    def forward(self, dense, plain, weighted):
+        return dense.sum() + _read(plain) + _read(weighted)
+
+
+@settings(deadline=None, max_examples=30)
+@given(ref_features(max_keys=5, max_batch=4), ref_features(max_keys=4, max_batch=4))
+def test_tensordicts_are_packed_as_their_features(a, b):
+    # The packer copies each TensorDict's per-feature parts once into the combined tensors:
+    # they must hold exactly the features' ids, bag sizes and weights, key after key.
+    b = RefFeatures(  # feature names must be unique across arguments
+        [f"w{k}" for k in b.keys],
+        {f"w{k}": v for k, v in b.bags.items()},
+        None if b.wbags is None else {f"w{k}": v for k, v in b.wbags.items()},
+        b.variable,
+    )
+    tds = [separate_buffers(kjt_to_tensordict(r.kjt()), r.keys) for r in (a, b)]
+    dense = torch.ones(2)
+    new, packer = combine_inputs(ReadsTwoTensorDicts(), (dense, *tds))
+    cf = packer(dense, *tds)[-1]
+    assert list(cf.keys) == a.keys + b.keys
+    assert torch.equal(cf.values, torch.cat([a.values(), b.values()]))
+    assert torch.equal(cf.lengths, torch.cat([a.lengths(), b.lengths()]))
+    assert list(cf.stride_per_key) == a.stride_per_key() + b.stride_per_key()
+    if a.wbags is None and b.wbags is None:
+        assert cf.weights is None
+    else:  # an unweighted argument's features get weights of one
+        wa = a.weights() if a.wbags is not None else torch.ones(a.values().numel())
+        wb = b.weights() if b.wbags is not None else torch.ones(b.values().numel())
+        assert torch.equal(cf.weights, torch.cat([wa, wb]))
+    torch.testing.assert_close(new(*packer(dense, *tds)), ReadsTwoTensorDicts()(dense, *tds))
