@@ -48,9 +48,6 @@ import logging
 import os
 import statistics
 import time
-from collections import deque
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -63,249 +60,24 @@ from fxrec.bench.common import (
     results_dir,
     write_json,
 )
-from fxrec.sparse import KeyedJaggedTensor, kjt_from_tensordict, tensordict_from_jagged
+from fxrec.bench.pipeline_data import (
+    FULL,
+    QUICK,
+    BenchConfig,
+    Loader,
+    PairInput,
+    PipelineRankingModel,
+    Variant,
+    collate_ms,
+    make_collections,
+    make_dataset,
+)
+from fxrec.sparse import kjt_from_tensordict
 from fxrec.train import Batch, TrainPipelineBase, TrainPipelineSparseDist
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BenchConfig", "PipelineRankingModel", "make_dataset", "run"]
-
-
-@dataclass(frozen=True)
-class BenchConfig:
-    tables: int  # unweighted features, one table each
-    weighted_tables: int
-    rows: int
-    dim: int
-    batch: int
-    dense_in: int
-    distinct_batches: int  # batches generated once and cycled through
-    rounds: int
-    steps_per_round: int
-    warmup: int
-
-
-QUICK = BenchConfig(32, 4, 2000, 16, 256, 13, 6, 4, 6, 2)
-FULL = BenchConfig(100, 10, 10000, 32, 1024, 13, 8, 6, 10, 3)
-
-
-# -- the model -------------------------------------------------------------------------------
-
-
-class PipelineRankingModel(nn.Module):
-    """Unweighted + weighted embedding collections, per-feature processing, two arches.
-
-    Each unweighted feature's pooled embedding goes through its own LayerNorm and Tanh
-    (:func:`_per_feature`): the post-lookup chain of seed 000 that fxrec fuses horizontally.
-    """
-
-    def __init__(self, cfg: BenchConfig, ebc: nn.Module, webc: nn.Module) -> None:
-        super().__init__()
-        self.ebc = ebc
-        self.webc = webc
-        self.dims = [cfg.dim] * cfg.tables
-        self.norms = nn.ModuleList(nn.LayerNorm(cfg.dim) for _ in range(cfg.tables))
-        self.dense_arch = nn.Sequential(nn.Linear(cfg.dense_in, 64), nn.ReLU(), nn.Linear(64, 32))
-        width = 32 + cfg.dim * (cfg.tables + cfg.weighted_tables)
-        self.over_arch = nn.Sequential(nn.Linear(width, 128), nn.ReLU(), nn.Linear(128, 1))
-
-    def forward(self, dense: torch.Tensor, features: Any, weighted_features: Any) -> torch.Tensor:
-        d = self.dense_arch(dense)
-        e = _per_feature(self.ebc(features).values(), self.dims, self.norms)
-        w = self.webc(weighted_features).values()
-        return self.over_arch(torch.cat([d, e, w], dim=1))
-
-
-def _per_feature(pooled: torch.Tensor, dims: list[int], norms: nn.ModuleList) -> torch.Tensor:
-    """``tanh(norm_k(pooled_k))`` for each feature k, joined again.
-
-    The loop indexes the split (not ``zip``) so that symbolic tracing, which
-    :func:`~fxrec.passes.combine_inputs.combine_inputs` needs, can follow it.
-    """
-    parts = torch.split(pooled, dims, dim=1)
-    return torch.cat([torch.tanh(norm(parts[i])) for i, norm in enumerate(norms)], dim=1)
-
-
-class _PairInput(nn.Module):
-    """``model(dense, (features, weighted))``: the pipeline's ``model(dense, sparse)``."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, dense: torch.Tensor, sparse: Any) -> torch.Tensor:
-        return self.model(dense, sparse[0], sparse[1])
-
-
-def _collections(cfg: BenchConfig) -> tuple[nn.Module, nn.Module]:
-    try:
-        from fxrec.nn import EmbeddingBagCollection, EmbeddingBagConfig
-    except ImportError as exc:
-        raise RuntimeError(
-            f"the pipeline benchmark needs fxrec.nn.EmbeddingBagCollection: {exc}"
-        ) from exc
-
-    def tables(prefix: str, n: int) -> list[Any]:
-        return [
-            EmbeddingBagConfig(
-                num_embeddings=cfg.rows,
-                embedding_dim=cfg.dim,
-                name=f"{prefix}table_{i}",
-                feature_names=[f"{prefix}feature_{i}"],
-            )
-            for i in range(n)
-        ]
-
-    return (
-        EmbeddingBagCollection(tables=tables("", cfg.tables)),
-        EmbeddingBagCollection(tables=tables("weighted_", cfg.weighted_tables), is_weighted=True),
-    )
-
-
-# -- the data ----------------------------------------------------------------------------------
-
-
-@dataclass
-class _RawBatch:
-    """Per-feature arrays as a dataset row group holds them; collated every step."""
-
-    dense: torch.Tensor
-    labels: torch.Tensor
-    ids: list[torch.Tensor]
-    lengths: list[torch.Tensor]
-    offsets: list[torch.Tensor]
-    weights: list[torch.Tensor | None]
-
-
-def make_dataset(cfg: BenchConfig, seed: int = 0) -> tuple[list[str], list[str], list[_RawBatch]]:
-    """Keys and ``cfg.distinct_batches`` raw batches (Poisson bag sizes, Zipf ids)."""
-    g = torch.Generator().manual_seed(seed)
-    keys = [f"feature_{i}" for i in range(cfg.tables)]
-    wkeys = [f"weighted_feature_{i}" for i in range(cfg.weighted_tables)]
-    n = cfg.tables + cfg.weighted_tables
-    # Zipf-like profile of mean ids per bag: feature k has mean 40 / (1 + k) ** 0.7, at least 1.
-    means = [max(1.0, 40.0 / (1 + k) ** 0.7) for k in torch.randperm(n, generator=g).tolist()]
-    ranks = torch.arange(1, cfg.rows + 1, dtype=torch.float64)
-    zipf = 1.0 / ranks**1.05
-    out = []
-    for _ in range(cfg.distinct_batches):
-        ids, lens, offs, wts = [], [], [], []
-        for f in range(n):
-            ln = torch.poisson(torch.full((cfg.batch,), means[f]), generator=g).long()
-            total = int(ln.sum())
-            ids.append(torch.multinomial(zipf, total, replacement=True, generator=g))
-            lens.append(ln)
-            o = torch.zeros(cfg.batch + 1, dtype=torch.long)
-            torch.cumsum(ln, 0, out=o[1:])
-            offs.append(o)
-            wts.append(torch.rand(total, generator=g) if f >= cfg.tables else None)
-        out.append(
-            _RawBatch(
-                torch.randn(cfg.batch, cfg.dense_in, generator=g),
-                torch.randint(0, 2, (cfg.batch,), generator=g).float(),
-                ids,
-                lens,
-                offs,
-                wts,
-            )
-        )
-    return keys, wkeys, out
-
-
-def _collate_kjt(keys: list[str], raw: _RawBatch, sl: slice, weighted: bool) -> KeyedJaggedTensor:
-    return KeyedJaggedTensor(
-        keys,
-        torch.cat(raw.ids[sl]),
-        torch.cat(raw.weights[sl]) if weighted else None,  # type: ignore[arg-type]
-        lengths=torch.cat(raw.lengths[sl]),
-        stride=raw.dense.shape[0],
-    )
-
-
-def _collate_td(keys: list[str], raw: _RawBatch, sl: slice, weighted: bool) -> Any:
-    """One NJT per feature over the raw arrays (ids and weights share their offsets)."""
-    weights = raw.weights[sl] if weighted else None
-    return tensordict_from_jagged(keys, raw.ids[sl], raw.offsets[sl], weights)  # type: ignore[arg-type]
-
-
-class _Loader:
-    """Cycles through the raw batches, giving each as the chosen input type.
-
-    ``pregenerate=n``: the first ``n`` batches are built before the timed steps, each a fresh
-    object (KJT: over one buffer per raw batch, collated once; TensorDict: NJTs over the raw
-    arrays), as TorchRec's pipeline benchmark feeds pregenerated inputs; the steps then time
-    the pipeline, not the loader. Later batches, and all with ``n=0``, are collated in
-    ``__next__`` (time in ``host_s``).
-    """
-
-    def __init__(
-        self,
-        keys: list[str],
-        wkeys: list[str],
-        raws: list[_RawBatch],
-        kind: str,
-        pregenerate: int = 0,
-    ) -> None:
-        self.keys, self.wkeys, self.raws, self.kind = keys, wkeys, raws, kind
-        self.i = 0
-        self.host_s = 0.0
-        self.collate = _collate_td if kind == "td" else _collate_kjt
-        self._ready: deque[Batch] = deque()
-        if pregenerate:
-            self._ready.extend(self._pregenerated(pregenerate))
-
-    def __iter__(self) -> Iterator[Batch]:
-        return self
-
-    def __next__(self) -> Batch:
-        t0 = time.perf_counter()
-        batch = self._ready.popleft() if self._ready else self._collate_next()
-        self.host_s += time.perf_counter() - t0
-        return batch
-
-    def _collate_next(self) -> Batch:
-        raw = self.raws[self.i % len(self.raws)]
-        self.i += 1
-        n = len(self.keys)
-        sparse = (
-            self.collate(self.keys, raw, slice(0, n), False),
-            self.collate(self.wkeys, raw, slice(n, None), True),
-        )
-        return Batch(raw.dense, sparse, raw.labels)
-
-    def _pregenerated(self, count: int) -> list[Batch]:
-        if self.kind == "td":
-            return [self._collate_next() for _ in range(count)]
-        first = [self._collate_next() for _ in range(min(count, len(self.raws)))]
-        self.i = count  # the raw batch the next collation takes, as if all were collated
-        return [  # fresh KJTs over the first collation's buffers
-            Batch(b.dense, tuple(_fresh_kjt(k) for k in b.sparse), b.labels)
-            for b in (first[j % len(first)] for j in range(count))
-        ]
-
-
-def _fresh_kjt(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
-    """A new KJT object (no cached offsets) over ``kjt``'s tensors."""
-    return KeyedJaggedTensor(
-        kjt.keys(),
-        kjt.values(),
-        kjt.weights_or_none(),
-        lengths=kjt.lengths(),
-        stride=kjt.stride(),
-    )
-
-
-def _collate_ms(data: Any, kind: str, reps: int = 7) -> float:
-    """Median time the loader takes to collate one batch into ``kind`` (measured apart)."""
-    keys, wkeys, raws = data
-    loader = _Loader(keys, wkeys, raws, kind)
-    samples = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        next(loader)
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples) * 1e3
-
+__all__ = ["FULL", "QUICK", "BenchConfig", "PipelineRankingModel", "make_dataset", "run"]
 
 # -- memory ------------------------------------------------------------------------------------
 
@@ -323,22 +95,6 @@ def _rss_mb() -> float:
 # -- variants ----------------------------------------------------------------------------------
 
 
-@dataclass
-class _Variant:
-    name: str
-    pipeline: str
-    input: str
-    fxrec: str
-    step: Callable[[], Any]
-    loader: _Loader
-    stats: Any  # PipelineStats or None
-    close: Callable[[], None]
-    batch: int
-    copies: float = 0.0
-    times: list[float] | None = None
-    mem: list[float] | None = None
-
-
 def _fxrec_variant(
     base: nn.Module,
     pipeline_cls: type,
@@ -348,16 +104,16 @@ def _fxrec_variant(
     device: torch.device,
     lr: float,
     pregenerate: int,
-) -> _Variant:
+) -> Variant:
     keys, wkeys, raws = data
-    loader = _Loader(keys, wkeys, raws, kind, pregenerate)
+    loader = Loader(keys, wkeys, raws, kind, pregenerate)
     model = copy.deepcopy(base).to(device)
     host_fn = None
     if on:
         import fxrec
         from fxrec.passes.combine_inputs import combine_inputs
 
-        example = next(_Loader(keys, wkeys, raws, kind))
+        example = next(Loader(keys, wkeys, raws, kind))
         combined, packer = combine_inputs(model, (example.dense, *example.sparse))
 
         def host_fn(b: Batch, packer: Any = packer) -> Batch:
@@ -368,7 +124,7 @@ def _fxrec_variant(
             combined, (packed.dense.to(device), packed.sparse.to(device))
         )
     else:
-        run_model = _PairInput(model)
+        run_model = PairInput(model)
     opt = torch.optim.SGD(run_model.parameters(), lr=lr)
     pipe = pipeline_cls(run_model, opt, device, host_fn=host_fn)
     it = iter(loader)
@@ -377,7 +133,7 @@ def _fxrec_variant(
         if pipeline_cls is TrainPipelineSparseDist
         else "TrainPipelineBase"
     )
-    return _Variant(
+    return Variant(
         f"{pname} | {kind.upper()} | fxrec {'on' if on else 'off'}",
         pname,
         kind,
@@ -390,181 +146,7 @@ def _fxrec_variant(
     )
 
 
-class _TorchRecLoader(_Loader):
-    """The same raw batches collated into TorchRec KJTs, in a TorchRec ``Pipelineable``."""
-
-    def _collate_next(self) -> Any:
-        import torchrec
-
-        raw = self.raws[self.i % len(self.raws)]
-        self.i += 1
-        n = len(self.keys)
-
-        def kjt(keys: list[str], sl: slice, weighted: bool) -> Any:
-            return torchrec.KeyedJaggedTensor(
-                keys=keys,
-                values=torch.cat(raw.ids[sl]),
-                weights=torch.cat(raw.weights[sl]) if weighted else None,  # type: ignore[arg-type]
-                lengths=torch.cat(raw.lengths[sl]),
-                stride=raw.dense.shape[0],
-            )
-
-        return _torchrec_batch_type()(
-            raw.dense,
-            kjt(self.keys, slice(0, n), False),
-            kjt(self.wkeys, slice(n, None), True),
-            raw.labels,
-        )
-
-    def _pregenerated(self, count: int) -> list[Any]:
-        import torchrec
-
-        def fresh(k: Any) -> Any:
-            return torchrec.KeyedJaggedTensor(
-                keys=k.keys(),
-                values=k.values(),
-                weights=k.weights_or_none(),
-                lengths=k.lengths(),
-                stride=k.stride(),
-            )
-
-        first = [self._collate_next() for _ in range(min(count, len(self.raws)))]
-        self.i = count
-        batch_type = _torchrec_batch_type()
-        return [
-            batch_type(b.dense, fresh(b.sparse), fresh(b.wsparse), b.labels)
-            for b in (first[j % len(first)] for j in range(count))
-        ]
-
-
-def _torchrec_batch_type() -> type:
-    global _TR_BATCH
-    if _TR_BATCH is None:
-        from torchrec.streamable import Pipelineable
-
-        class TorchRecBatch(Pipelineable):
-            def __init__(self, dense: Any, sparse: Any, wsparse: Any, labels: Any) -> None:
-                self.dense, self.sparse, self.wsparse, self.labels = dense, sparse, wsparse, labels
-
-            def to(self, device: torch.device, non_blocking: bool = False) -> Any:
-                return TorchRecBatch(
-                    *(t.to(device=device, non_blocking=non_blocking) for t in self._parts())
-                )
-
-            def record_stream(self, stream: Any) -> None:
-                for t in self._parts():
-                    t.record_stream(stream)
-
-            def pin_memory(self) -> Any:
-                return TorchRecBatch(*(t.pin_memory() for t in self._parts()))
-
-            def _parts(self) -> list[Any]:
-                return [self.dense, self.sparse, self.wsparse, self.labels]
-
-        _TR_BATCH = TorchRecBatch
-    return _TR_BATCH
-
-
-_TR_BATCH: type | None = None
-
-
-class _TorchRecModel(nn.Module):
-    """The benchmark model on TorchRec's collections; ``forward(batch) -> (loss, logits)``."""
-
-    def __init__(self, base: PipelineRankingModel, ebc: nn.Module, webc: nn.Module) -> None:
-        super().__init__()
-        self.ebc, self.webc = ebc, webc
-        self.dims = list(base.dims)
-        self.norms = copy.deepcopy(base.norms)
-        self.dense_arch = copy.deepcopy(base.dense_arch)
-        self.over_arch = copy.deepcopy(base.over_arch)
-
-    def forward(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        d = self.dense_arch(batch.dense)
-        e = _per_feature(self.ebc(batch.sparse).values(), self.dims, self.norms)
-        w = self.webc(batch.wsparse).values()
-        logits = self.over_arch(torch.cat([d, e, w], dim=1)).view(-1)
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
-        return loss, logits.detach()
-
-
-def _torchrec_variants(
-    base: PipelineRankingModel, data: Any, lr: float, pregenerate: int
-) -> list[_Variant]:
-    """TorchRec's pipelines on a DMP of the same model (single-rank gloo group), KJT input."""
-    import torch.distributed as dist
-    from torchrec.distributed import DistributedModelParallel
-    from torchrec.distributed.train_pipeline import TrainPipelineBase as TRBase
-    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist as TRSparseDist
-    from torchrec.distributed.types import ShardingEnv
-    from torchrec.modules.embedding_configs import EmbeddingBagConfig
-    from torchrec.modules.embedding_modules import EmbeddingBagCollection
-    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
-    from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
-    from torchrec.optim.optimizers import in_backward_optimizer_filter
-
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    keys, wkeys, raws = data
-    state = {k: v for k, v in base.state_dict().items()}
-    device = torch.device("cpu")
-
-    def tr_ebc(fx_ebc: nn.Module, prefix: str, weighted: bool) -> nn.Module:
-        tables = [
-            EmbeddingBagConfig(
-                num_embeddings=c.num_embeddings,
-                embedding_dim=c.embedding_dim,
-                name=c.name,
-                feature_names=list(c.feature_names),
-            )
-            for c in fx_ebc.embedding_bag_configs()
-        ]
-        ebc = EmbeddingBagCollection(tables=tables, is_weighted=weighted, device=device)
-        with torch.no_grad():  # same initial weights as fxrec's collection, where keys agree
-            for k, v in ebc.state_dict().items():
-                src = state.get(f"{prefix}.{k}")
-                if src is not None and src.shape == v.shape:
-                    v.copy_(src)
-        return ebc
-
-    out = []
-    for pipeline_cls, pname in (
-        (TRBase, "TrainPipelineBase"),
-        (TRSparseDist, "TrainPipelineSparseDist"),
-    ):
-        model = _TorchRecModel(
-            base, tr_ebc(base.ebc, "ebc", False), tr_ebc(base.webc, "webc", True)
-        )
-        for coll in (model.ebc, model.webc):
-            apply_optimizer_in_backward(torch.optim.SGD, coll.parameters(), {"lr": lr})
-        dmp = DistributedModelParallel(
-            module=model, device=device, env=ShardingEnv.from_process_group(dist.group.WORLD)
-        )
-        dense_opt = KeyedOptimizerWrapper(
-            dict(in_backward_optimizer_filter(dmp.named_parameters())),
-            lambda params: torch.optim.SGD(params, lr=lr),
-        )
-        opt = CombinedOptimizer([dmp.fused_optimizer, dense_opt])
-        pipe = pipeline_cls(dmp, opt, device)
-        loader = _TorchRecLoader(keys, wkeys, raws, "kjt", pregenerate)
-        it = iter(loader)
-        v = _Variant(
-            f"TorchRec {pname} | KJT | DMP",
-            f"torchrec.{pname}",
-            "kjt",
-            "torchrec",
-            (lambda pipe=pipe, it=it: pipe.progress(it)),
-            loader,
-            None,
-            lambda: None,
-            raws[0].dense.shape[0],
-            copies=float(2 + 2 + 3),  # dense, labels; KJT values, lengths; weighted KJT + weights
-        )
-        out.append(v)
-    return out
-
-
-def _measure(variants: list[_Variant], cfg: BenchConfig, device: torch.device) -> None:
+def _measure(variants: list[Variant], cfg: BenchConfig, device: torch.device) -> None:
     from tqdm import tqdm
 
     on_gpu = device.type == "cuda"
@@ -602,7 +184,7 @@ def _measure(variants: list[_Variant], cfg: BenchConfig, device: torch.device) -
 def _td_conversion_ms(data: Any, reps: int = 5) -> float:
     """Median time of the TD->KJT conversions the eager model does inside each step."""
     keys, wkeys, raws = data
-    loader = _Loader(keys, wkeys, raws, "td")
+    loader = Loader(keys, wkeys, raws, "td")
     samples = []
     for _ in range(reps):
         b = next(loader)
@@ -669,7 +251,7 @@ def run(quick: bool = False, device: str = "cpu", loader: str = "pregenerated") 
         if dev.type == "cuda":
             dev = torch.device("cuda", rank % torch.cuda.device_count())
     torch.manual_seed(0)  # every rank builds the same model
-    ebc, webc = _collections(cfg)
+    ebc, webc = make_collections(cfg)
     base = PipelineRankingModel(cfg, ebc, webc)
     if world > 1:
         from fxrec.distributed import shard
@@ -689,7 +271,9 @@ def run(quick: bool = False, device: str = "cpu", loader: str = "pregenerated") 
     had_group = dist.is_available() and dist.is_initialized()
     if world == 1:
         try:
-            variants += _torchrec_variants(base, data, lr, pregen)
+            from fxrec.bench.pipeline_peer import torchrec_variants
+
+            variants += torchrec_variants(base, data, lr, pregen)
         except ImportError as exc:
             peer_note = f"TorchRec peer skipped: {exc}"
         except Exception as exc:  # the peer must never take the section down
@@ -705,7 +289,7 @@ def run(quick: bool = False, device: str = "cpu", loader: str = "pregenerated") 
         if world == 1 and not had_group and dist.is_initialized():
             dist.destroy_process_group()  # the peer's single-rank group: leave none behind
     td_conv = _td_conversion_ms(data)
-    collate = {kind: _collate_ms(data, kind) for kind in ("kjt", "td")}
+    collate = {kind: collate_ms(data, kind) for kind in ("kjt", "td")}
     rows = []
     for v in variants:
         steps = len(v.times or [])

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from fxrec.bench.pipeline import QUICK, _goals, _Loader, make_dataset
+from fxrec.bench.pipeline import _goals
+from fxrec.bench.pipeline_data import QUICK, Loader, make_dataset
 from fxrec.sparse import kjt_from_tensordict
 
 
@@ -25,8 +26,8 @@ def small_cfg():
 def test_kjt_and_tensordict_loaders_carry_the_same_features():
     cfg = small_cfg()
     keys, wkeys, raws = make_dataset(cfg, seed=3)
-    kjt_batches = _Loader(keys, wkeys, raws, "kjt")
-    td_batches = _Loader(keys, wkeys, raws, "td")
+    kjt_batches = Loader(keys, wkeys, raws, "kjt")
+    td_batches = Loader(keys, wkeys, raws, "td")
     for _ in range(3):  # cycles past the distinct batches
         a, b = next(kjt_batches), next(td_batches)
         assert torch.equal(a.dense, b.dense) and torch.equal(a.labels, b.labels)
@@ -47,8 +48,8 @@ def test_pregenerated_batches_are_fresh_objects_with_the_collated_features():
     cfg = small_cfg()
     keys, wkeys, raws = make_dataset(cfg, seed=4)
     for kind in ("kjt", "td"):
-        pre = _Loader(keys, wkeys, raws, kind, pregenerate=5)
-        ref = _Loader(keys, wkeys, raws, kind)
+        pre = Loader(keys, wkeys, raws, kind, pregenerate=5)
+        ref = Loader(keys, wkeys, raws, kind)
         got = [next(pre) for _ in range(6)]  # one past the pregenerated batches: collated
         assert pre.host_s > 0
         assert len({id(s) for b in got for s in b.sparse}) == 12
@@ -126,15 +127,15 @@ def test_fxrec_on_variant_computes_the_model_and_fuses_its_per_feature_chain():
     import copy
 
     import fxrec
-    from fxrec.bench.pipeline import PipelineRankingModel, _collections
+    from fxrec.bench.pipeline_data import PipelineRankingModel, make_collections
     from fxrec.passes.combine_inputs import combine_inputs
 
     cfg = small_cfg()
     torch.manual_seed(0)
-    model = PipelineRankingModel(cfg, *_collections(cfg))
+    model = PipelineRankingModel(cfg, *make_collections(cfg))
     keys, wkeys, raws = make_dataset(cfg, seed=5)
     for kind in ("kjt", "td"):
-        loader = _Loader(keys, wkeys, raws, kind)
+        loader = Loader(keys, wkeys, raws, kind)
         b = next(loader)
         combined, packer = combine_inputs(copy.deepcopy(model), (b.dense, *b.sparse))
         opt = fxrec.optimize(combined, packer(b.dense, *b.sparse))
