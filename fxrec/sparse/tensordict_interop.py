@@ -307,24 +307,52 @@ def tensordict_parts(td: TensorDictBase, keys: Sequence[str] | None = None) -> J
             prepared.stride_per_key(),
             prepared.length_per_key(),
         )
-    return _parts(td, keys, entries)
+    parts = _parts(td, keys, entries)
+    _check_parts(parts)
+    return parts
 
 
 def _convert(td: TensorDictBase, keys: list[str], entries: list[Any]) -> KeyedJaggedTensor:
     if not keys:
         return KeyedJaggedTensor.empty()
     p = _parts(td, keys, entries)
+    # Checked once on the joined tensors; the parts are searched only to name a bad feature.
+    try:
+        values = join_values(p.values)
+        weights = None if p.weights is None else join_values(p.weights)
+    except RuntimeError:
+        _check_parts(p)
+        raise
+    if values.dim() != 1 or (weights is not None and weights.dim() != 1):
+        _check_parts(p)
+    if V.validation_enabled():
+        if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool:
+            _check_parts(p)
+        V.check_weights(weights, values)
     spk = p.stride_per_key
     uniform = all(s == spk[0] for s in spk)
     return KeyedJaggedTensor._make(
         keys,
-        join_values(p.values),
-        None if p.weights is None else join_values(p.weights),
+        values,
+        weights,
         p.lengths,
         stride=spk[0] if uniform else None,
         stride_per_key=None if uniform else spk,
         length_per_key=p.length_per_key,
     )
+
+
+def _check_parts(p: JaggedParts) -> None:
+    """Per feature: one id (and weight) per position; with validation, integer ids and
+    float weights. Raises ``ValueError`` naming the first bad feature."""
+    _check_dims(p.keys, p.values)
+    if p.weights is not None:
+        _check_dims(p.keys, p.weights)
+    if V.validation_enabled():
+        _check_ids(p.keys, p.values)
+        if p.weights is not None:
+            for k, w, v in zip(p.keys, p.weights, p.values):
+                V.check_weights(w, v, k)
 
 
 def _parts(td: TensorDictBase, keys: list[str], entries: list[Any]) -> JaggedParts:
@@ -368,17 +396,13 @@ def _weighted(
             )
     if _shares_layout(wts, ids, lpk):
         weights = [w._values for w in wts]
-        _check_dims(keys, weights)
     else:
-        weights, w_lengths, _, _ = _concat(keys, wts, batch, ids=False)
+        weights, w_lengths, _, _ = _concat(keys, wts, batch)
         if not torch.equal(w_lengths, lengths):
             raise ValueError(
                 "the weights' offsets differ from the ids' offsets; build each weights NJT "
                 "with the ids' offsets (nested_tensor_from_jagged(weights, ids.offsets()))."
             )
-    if V.validation_enabled():
-        for k, w, v in zip(keys, weights, values):
-            V.check_weights(w, v, k)
     return values, lengths, weights, spk, lpk
 
 
@@ -398,20 +422,19 @@ def _shares_layout(wts: list[Any], ids: list[Any], lpk: list[int]) -> bool:
 
 
 def _concat(
-    keys: list[str], njts: list[Any], batch: int | None, ids: bool = True
+    keys: list[str], njts: list[Any], batch: int | None
 ) -> tuple[list[torch.Tensor], torch.Tensor, list[int], list[int]]:
     """(values per key, lengths, stride_per_key, length_per_key) of the NJTs, key-major."""
     offs = [n._offsets for n in njts]
     vals = [n._values for n in njts]
     spk = [batch] * len(njts) if batch is not None else [o.shape[0] - 1 for o in offs]
     if any(n._lengths is not None for n in njts):
-        return _concat_slow(keys, njts, spk, ids)
-    _check_dims(keys, vals)
+        return _concat_slow(keys, njts, spk)
     validate = V.validation_enabled()
     # Small lengths work: one thread (see single_threaded: on a busy host an OpenMP team can
     # stall for milliseconds).
     with single_threaded():
-        return _lengths_from_offsets(keys, njts, offs, vals, spk, validate, ids)
+        return _lengths_from_offsets(keys, njts, offs, vals, spk, validate)
 
 
 def _lengths_from_offsets(
@@ -421,7 +444,6 @@ def _lengths_from_offsets(
     vals: list[torch.Tensor],
     spk: list[int],
     validate: bool,
-    ids: bool,
 ) -> tuple[list[torch.Tensor], torch.Tensor, list[int], list[int]]:
     k = len(njts)
     offsets = torch.cat(offs)  # small: cheaper than proving adjacency key by key
@@ -445,14 +467,12 @@ def _lengths_from_offsets(
         )
         first, last = edges[:k], edges[k:]
     if any(first) or last != [v.shape[0] for v in vals]:
-        return _concat_slow(keys, njts, spk, ids)  # holes or shifted offsets: compact
+        return _concat_slow(keys, njts, spk)  # holes or shifted offsets: compact
     if validate and lengths.numel() and int(lengths.min()) < 0:
         bad = next(
             kk for kk, n in zip(keys, njts) if bool((n._offsets[1:] < n._offsets[:-1]).any())
         )
         raise ValueError(f"feature {bad!r}: offsets decrease (a negative bag length).")
-    if ids and validate:
-        _check_ids(keys, vals)
     return vals, lengths, spk, last
 
 
@@ -525,7 +545,7 @@ def _compact(njt: Any) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _concat_slow(
-    keys: list[str], njts: list[Any], spk: list[int], ids: bool = True
+    keys: list[str], njts: list[Any], spk: list[int]
 ) -> tuple[list[torch.Tensor], torch.Tensor, list[int], list[int]]:
     vals, lens = [], []
     for k, n in zip(keys, njts):
@@ -538,9 +558,6 @@ def _concat_slow(
         v, ln = _compact(n)
         vals.append(v)
         lens.append(ln)
-    _check_dims(keys, vals)
-    if ids and V.validation_enabled():
-        _check_ids(keys, vals)
     return vals, torch.cat(lens), spk, [v.shape[0] for v in vals]
 
 
