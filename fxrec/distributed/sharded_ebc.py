@@ -145,7 +145,9 @@ class ShardedEmbeddingBagCollection(nn.Module):
     only its own tables and its block of each row-wise table. ``forward`` takes this rank's
     local batch (KJT, or TensorDict of jagged tensors) and returns what the unsharded
     collection returns for that batch. ``state_dict`` holds this rank's tables under the
-    original keys (for a row-wise table, this rank's rows: :meth:`row_range`).
+    original keys (for a row-wise table, this rank's rows: :meth:`row_range`), also inside a
+    model's; ``load_state_dict`` takes a full state dict (whole row-wise tables are cut to
+    this rank's rows, other ranks' tables are skipped) or this rank's.
     """
 
     def __init__(
@@ -209,6 +211,8 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self._row_blocks = {k: v for k, v in row_blocks.items() if v[1] == rank}
         mine = [t.name for t in wire_plan.tables_of(rank, wire_specs)]
         self.embedding_bags_local = _local_collection(ebc, mine, self._row_blocks) if mine else None
+        self.register_state_dict_post_hook(ShardedEmbeddingBagCollection._rename_saved)
+        self.register_load_state_dict_pre_hook(ShardedEmbeddingBagCollection._route_loaded)
         logger.info(
             "rank %d holds tables %s (%d of %d rows*dim)",
             rank,
@@ -218,32 +222,32 @@ class ShardedEmbeddingBagCollection(nn.Module):
         )
 
     # -- state: original keys ---------------------------------------------------------------
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
-        """This rank's tables under the unsharded collection's keys; for a row-wise table,
-        this rank's block of rows (``row_range(table)`` says which)."""
-        if self.embedding_bags_local is None:
-            return {}
-        local = self.embedding_bags_local.state_dict(*args, **kwargs)
-        return {_source_key(k, self._row_blocks): v for k, v in local.items()}
+    # Hooks, not overrides: a model holding this collection saves and loads it through
+    # ``Module``'s recursion, which calls no override of ``load_state_dict``.
+    def _rename_saved(self, state_dict: Any, prefix: str, local_metadata: Any) -> None:
+        """``<prefix>embedding_bags_local.<key>`` -> ``<prefix><the unsharded key>``."""
+        inner = prefix + "embedding_bags_local."
+        for key in [k for k in state_dict if k.startswith(inner)]:
+            source = _source_key(key[len(inner) :], self._row_blocks)
+            state_dict[prefix + source] = state_dict.pop(key)
 
-    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:  # type: ignore[override]
-        """Load this rank's tables from a full (or this rank's) state dict.
-
-        A row-wise table's entry may be the whole table (this rank's rows are taken) or
-        this rank's block.
-        """
-        if self.embedding_bags_local is None:
-            return None
-        state = {}
-        for key, want in self.embedding_bags_local.state_dict().items():
-            src = _source_key(key, self._row_blocks)
-            if src not in state_dict:
-                continue
-            value = state_dict[src]
-            if value.shape != want.shape:
-                value = _rows_of(value, key, self._row_blocks)
-            state[key] = value
-        return self.embedding_bags_local.load_state_dict(state, strict=strict, assign=assign)
+    def _route_loaded(self, state_dict: Any, prefix: str, *_: Any) -> None:
+        """The unsharded keys -> this rank's tables; other ranks' tables are dropped."""
+        inner = prefix + "embedding_bags_local."
+        local = self.embedding_bags_local
+        mine: dict[str, tuple[str, torch.Size]] = {}
+        if local is not None:
+            for key, value in local.state_dict().items():
+                mine[_source_key(key, self._row_blocks)] = (key, value.shape)
+        for key in [k for k in state_dict if k.startswith(prefix + "embedding_bags.")]:
+            value = state_dict.pop(key)
+            target = mine.get(key[len(prefix) :])
+            if target is None:
+                continue  # a table another rank holds
+            local_key, shape = target
+            if value.shape != shape:  # a whole row-wise table: this rank's rows
+                value = _rows_of(value, local_key, self._row_blocks)
+            state_dict[inner + local_key] = value
 
     def row_range(self, table: str) -> tuple[int, int] | None:
         """The rows ``[first, end)`` of row-wise ``table`` this rank holds (None otherwise)."""

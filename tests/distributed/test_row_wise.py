@@ -226,6 +226,9 @@ def _row_wise_matches(rank: int, world: int, weighted: bool, use_td: bool) -> No
     sharded.load_state_dict(whole)
     for k, v in sharded.state_dict().items():
         assert torch.equal(v, state[k])
+    from tests.distributed.test_sharded_ebc import model_checkpoint_round_trip
+
+    model_checkpoint_round_trip(sharded, state, whole)
 
 
 @pytest.mark.distributed

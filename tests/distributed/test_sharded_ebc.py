@@ -44,6 +44,23 @@ def make_batch(ebc, rank: int, batch: int, weighted: bool, extra_key: bool = Tru
     return KeyedJaggedTensor(keys, values, weights, lengths=torch.cat(lens))
 
 
+def model_checkpoint_round_trip(sharded, state, whole) -> None:
+    """Inside a model, the same keys; the model loads the unsharded model's full checkpoint
+    on every rank (strict: whole row-wise tables cut, other ranks' tables skipped)."""
+    model = torch.nn.ModuleDict({"sparse": sharded})
+    saved = model.state_dict()
+    assert set(saved) == {f"sparse.{k}" for k in state}
+    for k, v in state.items():
+        assert torch.equal(saved[f"sparse.{k}"], v)
+    with torch.no_grad():
+        for v in model.parameters():
+            v.zero_()
+    model.load_state_dict({f"sparse.{k}": v for k, v in whole.items()})
+    for k, v in sharded.state_dict().items():
+        assert torch.equal(v, state[k])
+    model.load_state_dict(saved)  # this rank's own checkpoint loads too
+
+
 def _check_equivalence(rank: int, world: int, weighted: bool, use_td: bool, n_tables: int) -> None:
     ebc = make_ebc(weighted, n_tables)
     sharded = shard(ebc)
@@ -71,8 +88,10 @@ def _check_equivalence(rank: int, world: int, weighted: bool, use_td: bool, n_ta
             checked += 1
     assert checked == len(mine)  # 4 ranks, 3 tables: one rank owns none
     # state_dict: this rank's tables under the original keys, same values.
-    for k, v in sharded.state_dict().items():
+    state = sharded.state_dict()
+    for k, v in state.items():
         assert torch.equal(v, ebc.state_dict()[k])
+    model_checkpoint_round_trip(sharded, state, ebc.state_dict())
 
 
 @pytest.mark.parametrize("world", [2, 4])
