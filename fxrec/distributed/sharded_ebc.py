@@ -56,6 +56,23 @@ def _configs(ebc: nn.Module) -> list[Any]:
     )
 
 
+def _as_fxrec_collection(ebc: nn.Module) -> nn.Module:
+    """TorchRec's ``EmbeddingBagCollection`` as fxrec's: same tables, weights and state-dict
+    keys, and the owners' lookups take the KJTs the exchange delivers."""
+    if not type(ebc).__module__.startswith("torchrec"):
+        return ebc
+    from fxrec.nn import EmbeddingBagCollection
+
+    params = list(ebc.parameters())
+    device = params[0].device if params else torch.device("cpu")
+    out = EmbeddingBagCollection(
+        tables=list(_configs(ebc)), is_weighted=bool(ebc.is_weighted()), device="meta"
+    )
+    out = out.to_empty(device=device)
+    out.load_state_dict(ebc.state_dict())
+    return out
+
+
 def table_specs(ebc: nn.Module) -> list[TableSpec]:
     """The planner's view of ``ebc``'s tables, in the collection's order."""
     return [
@@ -164,6 +181,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
             )
         pg = pg if pg is not None else dist.group.WORLD
         world, rank = pg.size(), pg.rank()
+        ebc = _as_fxrec_collection(ebc)
         specs = table_specs(ebc)
         plan = plan if plan is not None else greedy_plan(specs, world)
         if plan.world_size != world:

@@ -3,6 +3,8 @@ unsharded collection on each rank's local batch (gradients summed over ranks).""
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -133,3 +135,37 @@ def _missing_key(rank: int, world: int) -> None:
 
 def test_missing_feature_is_a_value_error() -> None:
     run_ranks(2, _missing_key)
+
+
+def _torchrec_collection(rank: int, world: int) -> None:
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    from fxrec.sparse import to_torchrec
+
+    torch.manual_seed(77)  # every rank builds the same collection
+    tables = [
+        EmbeddingBagConfig(num_embeddings=n, embedding_dim=d, name=f"t{i}", feature_names=[f"f{i}"])
+        for i, (n, d) in enumerate([(9, 4), (6, 8), (12, 2)])
+    ]
+    ebc = EmbeddingBagCollection(tables=tables)
+    g = torch.Generator().manual_seed(rank)
+    batch = 2 + rank
+    lengths = torch.randint(0, 4, (3 * batch,), generator=g)
+    values = torch.cat(
+        [
+            torch.randint(0, n, (int(ln.sum()),), generator=g)
+            for n, ln in zip((9, 6, 12), lengths.view(3, batch))
+        ]
+    )
+    kjt = KeyedJaggedTensor(["f0", "f1", "f2"], values, lengths=lengths)
+    want = ebc(to_torchrec(kjt)).values()
+    for row_wise in ((), ("t2",)):
+        sharded = shard(ebc, row_wise=row_wise)  # TorchRec's collection, sharded as fxrec's
+        torch.testing.assert_close(sharded(kjt).values(), want, rtol=1e-5, atol=1e-6)
+        assert set(sharded.state_dict()) <= set(ebc.state_dict())  # the same keys
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchrec") is None, reason="torchrec not installed")
+def test_sharding_torchrec_collection() -> None:
+    run_ranks(2, _torchrec_collection)
