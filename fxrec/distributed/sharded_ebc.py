@@ -52,7 +52,7 @@ def _configs(ebc: nn.Module) -> list[Any]:
             return list(getattr(ebc, attr))
     raise ValueError(
         f"{type(ebc).__name__} does not describe its tables (no embedding_bag_configs()); "
-        "shard an fxrec.nn.EmbeddingBagCollection."
+        "shard an fxrec.nn.EmbeddingBagCollection (or TorchRec's)."
     )
 
 
@@ -388,8 +388,9 @@ def shard(
     *,
     row_wise: Sequence[str] = (),
 ) -> ShardedEmbeddingBagCollection:
-    """Shard ``ebc`` over ``pg`` (default group). Without a ``plan``: the greedy plan, with
-    the tables named in ``row_wise`` split by rows over every rank."""
+    """Shard ``ebc`` (fxrec's or TorchRec's ``EmbeddingBagCollection``) over ``pg`` (default
+    group). Without a ``plan``: the greedy plan, with the tables named in ``row_wise`` split
+    by rows over every rank."""
     if plan is None and row_wise:
         world = (pg if pg is not None else dist.group.WORLD).size() if dist.is_initialized() else 1
         plan = greedy_plan(table_specs(ebc), world, row_wise)
