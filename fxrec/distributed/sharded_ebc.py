@@ -66,9 +66,8 @@ def _as_fxrec_collection(ebc: nn.Module) -> nn.Module:
     params = list(ebc.parameters())
     device = params[0].device if params else torch.device("cpu")
     out = EmbeddingBagCollection(
-        tables=list(_configs(ebc)), is_weighted=bool(ebc.is_weighted()), device="meta"
+        tables=list(_configs(ebc)), is_weighted=bool(ebc.is_weighted()), device=device
     )
-    out = out.to_empty(device=device)
     out.load_state_dict(ebc.state_dict())
     return out
 
@@ -112,6 +111,9 @@ def _local_collection(
     is_weighted = getattr(ebc, "is_weighted", None)
     if callable(is_weighted) and is_weighted():
         kwargs["is_weighted"] = True
+    for option in ("device", "sparse", "backend"):  # fxrec's collection: keep its choices
+        if isinstance(getattr(type(ebc), option, None), property):
+            kwargs[option] = getattr(ebc, option)
     try:
         local = type(ebc)(tables=configs, **kwargs)
     except TypeError:

@@ -166,6 +166,11 @@ class EmbeddingBagCollection(nn.Module):
     def sparse(self) -> bool:
         return self._sparse
 
+    @property
+    def backend(self) -> Backend:
+        """The lookup backend asked for (``"auto"``, ``"torch"`` or ``"fbgemm"``)."""
+        return self._backend
+
     def output_keys(self) -> list[str]:
         """Keys of the output ``KeyedTensor`` (``feature@table`` for shared features)."""
         return list(self._keys)

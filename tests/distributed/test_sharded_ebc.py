@@ -169,3 +169,31 @@ def _torchrec_collection(rank: int, world: int) -> None:
 @pytest.mark.skipif(importlib.util.find_spec("torchrec") is None, reason="torchrec not installed")
 def test_sharding_torchrec_collection() -> None:
     run_ranks(2, _torchrec_collection)
+
+
+def _options_kept(rank: int, world: int) -> None:
+    from fxrec.nn import EmbeddingBagCollection, EmbeddingBagConfig
+
+    torch.manual_seed(3)
+    ebc = EmbeddingBagCollection(
+        tables=[
+            EmbeddingBagConfig(
+                num_embeddings=8, embedding_dim=4, name=f"t{i}", feature_names=[f"f{i}"]
+            )
+            for i in range(3)
+        ],
+        sparse=True,
+        backend="torch",
+    )
+    sharded = shard(ebc, row_wise=["t0"])
+    local = sharded.embedding_bags_local
+    assert local.sparse and local.backend == "torch"
+    kjt = make_batch(ebc, rank, 3, False)
+    ref, got = ebc(kjt).values(), sharded(kjt).values()
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    got.sum().backward()
+    assert all(p.grad is None or p.grad.is_sparse for p in local.parameters())
+
+
+def test_sharded_collection_keeps_sparse_gradients_and_backend() -> None:
+    run_ranks(2, _options_kept)
