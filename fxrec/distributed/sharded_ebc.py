@@ -290,10 +290,11 @@ class ShardedEmbeddingBagCollection(nn.Module):
             return kjt
         return rowwise.split_rows(kjt, self._rows)
 
-    def request_ids(self, features: Any) -> tuple[Any, dist_ops.IdsHandle]:
-        """Start the ids all-to-all for ``features``: (their KJT, the handle for ``finish``)."""
+    def request_counts(self, features: Any) -> tuple[Any, dist_ops.CountsHandle]:
+        """Start the id-count exchange for ``features`` (returns at once): their KJT and the
+        handle for ``wait_counts`` -> ``send_ids`` -> ``wait_ids`` -> :meth:`finish`."""
         kjt = as_kjt(features)
-        return kjt, dist_ops.request_ids(self._route(kjt), self._layout)
+        return kjt, dist_ops.request_counts(self._route(kjt), self._layout)
 
     def finish(self, local: Any, handle: dist_ops.IdsHandle, kjt: Any) -> KeyedTensor:
         """Lookup of the received ids, pooled all-to-all back, this rank's ``KeyedTensor``."""

@@ -5,8 +5,9 @@
 optimizer step. :class:`TrainPipelineSparseDist` does the same arithmetic in the same order
 (same losses, same parameters), but a background thread reads, prepares and copies the next
 batches (on CUDA on its own stream) into a bounded queue, and, when the model holds a
-:class:`~fxrec.distributed.ShardedEmbeddingBagCollection`, the next batch's ids are already
-sent to their owners by all-to-all while this batch runs its backward.
+:class:`~fxrec.distributed.ShardedEmbeddingBagCollection`, the next batch's id counts travel
+to their owners while this batch runs its backward and its ids while the optimizer steps
+(:mod:`fxrec.train.sparse_dist`).
 
 Failures: an exception from the data loader, from preparing or copying a batch, or from its
 forward/backward/step is raised in the caller as :class:`PipelineError` with the batch's
@@ -361,6 +362,19 @@ class TrainPipelineSparseDist(TrainPipelineBase):
                     self._next = (nxt[0], None, err, "sending its ids to their owners")
 
         return self._train(index, batch, after_forward=start_next)
+
+    def _backward_step(self, loss: torch.Tensor) -> None:
+        loss.backward()
+        # Batch i+1's id counts travelled during the backward: send its ids now, so that they
+        # travel while the optimizer steps. A failure belongs to batch i+1, not to batch i.
+        try:
+            self._input_dist.advance()
+        except Exception as err:
+            nxt = self._next
+            if nxt is not None and nxt[2] is None:
+                self._next = (nxt[0], None, err, "sending its ids to their owners")
+            self._input_dist.discard()
+        self.optimizer.step()
 
     def close(self) -> None:
         """Stop the background thread (promptly) and drop prepared batches."""

@@ -2,14 +2,19 @@
 
 For each :class:`~fxrec.distributed.ShardedEmbeddingBagCollection` in the model, the first
 batch is run normally while a forward pre-hook checks that the collection receives the
-batch's own sparse object (``batch.sparse`` or one element of it, unmodified). If it does, its ``forward`` is
-swapped, on that instance only, for one that consumes ids already requested by
-:meth:`InputDist.start` (TorchRec's pipelines rewrite the sharded modules' forwards the same
-way). If it does not (the model transforms the features first, or the collection sits inside
-a captured graph that no longer calls the module), the collection keeps requesting its own
-ids in its forward and the pipeline only overlaps the reading and copying of batches.
+batch's own sparse object (``batch.sparse`` or one element of it, unmodified). If it does,
+its ``forward`` is swapped, on that instance only, for one that consumes ids already on their
+way (TorchRec's pipelines rewrite the sharded modules' forwards the same way). If it does not
+(the model transforms the features first, or the collection sits inside a captured graph
+that no longer calls the module), the collection keeps requesting its own ids in its
+forward and the pipeline only overlaps the reading and copying of batches.
 
-Every rank runs the same program, so every rank issues the id all-to-alls in the same order.
+Batch i+1's exchange runs in two asynchronous steps, so that no rank blocks on another in
+the middle of batch i: :meth:`InputDist.start` (between forward and backward) starts the
+id-count exchange, which travels during the backward; :meth:`InputDist.advance` (after the
+backward) reads the counts and starts the ids all-to-all, which travels during the optimizer
+step. Every rank runs the same program, so every rank issues the collectives in the same
+order.
 """
 
 from __future__ import annotations
@@ -96,7 +101,8 @@ class InputDist:
         m._fxrec_pipeline_forward = original  # type: ignore[attr-defined]
 
     def start(self, batch: Any) -> None:
-        """Request batch's ids for every enabled collection (call between forward and backward)."""
+        """Start the id-count exchange of ``batch`` for every enabled collection (call between
+        forward and backward: the counts travel while the backward runs)."""
         self._finish_probe()
         if not self.enabled:
             return
@@ -107,7 +113,17 @@ class InputDist:
             if stale is not None:
                 _drain(stale[1])
             features = parts[self._where[id(m)]]
-            self._pending[id(m)] = (features, m.request_ids(features))
+            self._pending[id(m)] = (features, m.request_counts(features))
+
+    def advance(self) -> None:
+        """The counts have arrived: start sending the ids (call after the backward; the ids
+        travel while the optimizer steps). Every rank calls it at the same point."""
+        from fxrec.distributed import dist_ops
+
+        for key, (features, (kjt, handle)) in list(self._pending.items()):
+            if isinstance(handle, dist_ops.CountsHandle):
+                ids = dist_ops.send_ids(dist_ops.wait_counts(handle))
+                self._pending[key] = (features, (kjt, ids))
 
     def discard(self) -> None:
         """Drop ids requested for a batch that will not run (wait so buffers are released)."""
@@ -127,8 +143,13 @@ class InputDist:
 
 
 def _drain(request: Any) -> None:
+    from fxrec.distributed import dist_ops
+
     _, handle = request
-    for w in getattr(handle, "works", ()):
+    if isinstance(handle, dist_ops.CountsHandle):
+        handle.work.wait()
+        return
+    for w in handle.works:
         w.wait()
 
 
@@ -137,4 +158,6 @@ def _forward_from_ids(m: Any, request: Any) -> Any:
     from fxrec.distributed import dist_ops
 
     kjt, handle = request
+    if isinstance(handle, dist_ops.CountsHandle):  # not advanced (no backward ran in between)
+        handle = dist_ops.send_ids(dist_ops.wait_counts(handle))
     return m.finish(dist_ops.wait_ids(handle), handle, kjt)

@@ -49,14 +49,34 @@ def _build(row_wise: tuple[str, ...] = ()):
 
 
 def _pipelines_agree(rank: int, world: int, input_type: str, row_wise: tuple[str, ...]) -> None:
+    from fxrec.distributed import dist_ops
+
     batches = make_batches(KEYS, 5, input_type=input_type, weighted=True, seed=10 + rank)
     results = []
     for cls in (TrainPipelineBase, TrainPipelineSparseDist):
         model, opt = _build(row_wise)
         with cls(model, opt) as pipe:
-            losses = pipe.run(batches)
-            if cls is TrainPipelineSparseDist:
-                assert len(pipe._input_dist.enabled) == 1, "ids were not sent early"
+            it = iter(batches)
+            losses = []
+            before_advance: list[type] = []
+            if cls is TrainPipelineSparseDist:  # what is in flight when the backward ends
+                advance = pipe._input_dist.advance
+
+                def spy(advance=advance, dist=pipe._input_dist, seen=before_advance):
+                    seen.extend(type(p[1][1]) for p in dist._pending.values())
+                    advance()
+
+                pipe._input_dist.advance = spy
+            for step in range(len(batches)):
+                losses.append(float(pipe.progress(it)))
+                if cls is TrainPipelineSparseDist and 0 < step < len(batches) - 1:
+                    assert len(pipe._input_dist.enabled) == 1, "ids were not sent early"
+                    # after a step, the next batch's ids are in flight (not only its counts)
+                    (pending,) = pipe._input_dist._pending.values()
+                    assert isinstance(pending[1][1], dist_ops.IdsHandle)
+        if cls is TrainPipelineSparseDist:
+            # between forward and backward only the counts were started: nothing blocked
+            assert before_advance and set(before_advance) == {dist_ops.CountsHandle}
         results.append((losses, params(model)))
     (l0, p0), (l1, p1) = results
     assert l1 == pytest.approx(l0, rel=1e-6, abs=1e-7)
