@@ -315,7 +315,7 @@ def _wire(
     pooling: dict[str, str],
     keys: tuple[str, ...],
     dims: tuple[int, ...],
-) -> tuple[list[TableSpec], ShardingPlan, dict[str, tuple[str, int, int, int]], Any]:
+) -> tuple[list[TableSpec], ShardingPlan, dict[str, tuple[str, int, int, int]], rowwise.RowShards]:
     """What travels: each row-wise table becomes one table-wise row shard per rank.
 
     Returns the tables and plan of the wire, the row shards (name -> table, rank, first
