@@ -227,18 +227,24 @@ def _plot(rows: list[dict[str, Any]], path: Any) -> Any:
 LOADERS = ("pregenerated", "collate")
 
 
-def run(quick: bool = False, device: str = "cpu", loader: str = "pregenerated") -> dict[str, Any]:
+def run(
+    quick: bool = False,
+    device: str = "cpu",
+    loader: str = "pregenerated",
+    config: BenchConfig | None = None,
+) -> dict[str, Any]:
     """Run the section; print the table, write ``pipeline.json`` and ``pipeline.png``.
 
     ``loader``: ``"pregenerated"`` (batches built before the timed steps, as TorchRec's
     benchmark does; each input type's collate time is measured apart) or ``"collate"`` (the
     loader collates every batch inside the step loop, on the pipeline's reading thread).
+    ``config`` replaces the quick/full sizes.
     """
     import torch.distributed as dist
 
     if loader not in LOADERS:
         raise ValueError(f"loader must be one of {LOADERS}, got {loader!r}")
-    cfg = QUICK if quick else FULL
+    cfg = config if config is not None else QUICK if quick else FULL
     dev = torch.device(device)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = 0

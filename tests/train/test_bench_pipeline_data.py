@@ -152,3 +152,30 @@ def test_fxrec_on_variant_computes_the_model_and_fuses_its_per_feature_chain():
         grads = opt.fxrec_fused.grads(combined)  # members' gradients through the flat layout
         for name, p in model.named_parameters():
             torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_section_runs_end_to_end_and_reports_every_variant(tmp_path, monkeypatch):
+    # Wiring, not speed: every variant trains, and the JSON, the goals and the plot come out.
+    import importlib.util
+    import json
+
+    from fxrec.bench.pipeline import run
+
+    monkeypatch.setenv("FXREC_BENCH_DIR", str(tmp_path))
+    cfg = QUICK.__class__(
+        **{**small_cfg().__dict__, "rounds": 2, "steps_per_round": 2, "warmup": 1}
+    )
+    for loader in ("pregenerated", "collate"):
+        result = run(config=cfg, loader=loader)
+        peer = importlib.util.find_spec("torchrec") is not None
+        rows = result["rows"]
+        assert len(rows) == 8 + (2 if peer else 0), result.get("note")
+        for r in rows:
+            assert len(r["round_p50_ms"]) == cfg.rounds and r["throughput"] > 0
+        fx_on = [r for r in rows if r["fxrec"] == "on"]
+        # dense, labels, and one combined ids, lengths and weights tensor each
+        assert {r["h2d_copies_per_batch"] for r in fx_on} == {5.0}
+        assert len(result["goals"]) == 10 and set(result["loader_collate_ms"]) == {"kjt", "td"}
+        saved = json.loads((tmp_path / "pipeline.json").read_text())
+        assert saved["loader"] == loader
+        assert (tmp_path / "pipeline.png").stat().st_size > 0
