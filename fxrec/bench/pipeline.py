@@ -11,7 +11,9 @@ built before the timed steps, one fresh object per step, as TorchRec's pipeline 
 feeds pregenerated inputs, so the steps compare how the pipelines handle each input type
 (TD->KJT conversion or packing, copies); what one batch costs the loader is measured apart
 and printed. ``--loader collate`` builds each batch inside the step loop instead (on
-TrainPipelineSparseDist's reading thread), where that cost lands in host input time.
+TrainPipelineSparseDist's reading thread), where that cost lands in host input time. The
+model and data live in :mod:`fxrec.bench.pipeline_data`, the TorchRec peer in
+:mod:`fxrec.bench.pipeline_peer`.
 
 Variants, all on the same model weights and the same batches, run interleaved round by round:
 
