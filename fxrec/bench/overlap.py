@@ -12,7 +12,8 @@ DLRM is. Variants, both the same captured graph:
 
 They run interleaved step by step on the same batches; each rank records its step time and
 the time it spent blocked in communication (inside the waits of the forward pass; the
-backward all-to-all is the same in both). Outputs are compared every step.
+backward all-to-all is the same in both). Outputs are compared every step. Results go to
+``overlap.json`` and ``overlap.png`` (per rank, the distribution over steps of both times).
 
 Threads: each rank calls ``torch.set_num_threads(1)`` (1 intra-op thread; 2 ranks on 2
 cores; torchrun also sets ``OMP_NUM_THREADS=1`` unless it is set already); gloo's own
@@ -41,7 +42,13 @@ import torch.distributed as dist
 from torch import nn
 
 import fxrec
-from fxrec.bench.common import keep_freed_memory, percentile, print_table, write_json
+from fxrec.bench.common import (
+    keep_freed_memory,
+    percentile,
+    print_table,
+    results_dir,
+    write_json,
+)
 from fxrec.distributed import comm, init_distributed, shard
 from fxrec.sparse import KeyedJaggedTensor
 
@@ -271,7 +278,35 @@ def _summarize(per_rank: list[dict], args: argparse.Namespace, steps: int, repor
         print(f"rank {r} mean blocked ms by kind: {parts}")
     print(report, flush=True)
     path = write_json("overlap", payload)
-    print(f"wrote {path}", flush=True)
+    plot = _plot(per_rank, results_dir() / "overlap.png")
+    print(f"wrote {path} and {plot}", flush=True)
+
+
+def _plot(per_rank: list[dict], path: Any) -> Any:
+    """Per rank, the distribution over steps of blocked time and step time, both variants."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, what, title in (
+        (axes[0], "blocked", "blocked in communication (forward waits)"),
+        (axes[1], "times", "training step"),
+    ):
+        data, labels = [], []
+        for r, d in enumerate(per_rank):
+            for variant in ("blocking", "overlapped"):
+                data.append([x * 1e3 for x in d[what][variant]])
+                labels.append(f"rank {r}\n{variant}")
+        ax.boxplot(data, showfliers=False)
+        ax.set_xticks(range(1, len(labels) + 1), labels, fontsize=8)
+        ax.set_ylabel("ms per step")
+        ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 if __name__ == "__main__":
