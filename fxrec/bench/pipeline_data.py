@@ -30,6 +30,7 @@ __all__ = [
     "PipelineRankingModel",
     "Variant",
     "collate_ms",
+    "fresh_kjt",
     "make_collections",
     "make_dataset",
     "per_feature",
@@ -238,23 +239,24 @@ class Loader:
         )
         return Batch(raw.dense, sparse, raw.labels)
 
-    def _pregenerated(self, count: int) -> list[Batch]:
+    def _pregenerated(self, count: int) -> list[Any]:
         if self.kind == "td":
             return [self._collate_next() for _ in range(count)]
         first = [self._collate_next() for _ in range(min(count, len(self.raws)))]
         self.i = count  # the raw batch the next collation takes, as if all were collated
-        return [  # fresh KJTs over the first collation's buffers
-            Batch(b.dense, tuple(_fresh_kjt(k) for k in b.sparse), b.labels)
-            for b in (first[j % len(first)] for j in range(count))
-        ]
+        return [self._refresh(first[j % len(first)]) for j in range(count)]
+
+    def _refresh(self, batch: Any) -> Any:
+        """The same batch with new KJT objects over the same buffers."""
+        return Batch(batch.dense, tuple(fresh_kjt(k) for k in batch.sparse), batch.labels)
 
 
-def _fresh_kjt(kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
-    """A new KJT object (no cached offsets) over ``kjt``'s tensors."""
-    return KeyedJaggedTensor(
-        kjt.keys(),
-        kjt.values(),
-        kjt.weights_or_none(),
+def fresh_kjt(kjt: Any) -> Any:
+    """A new KJT object (no cached offsets) over ``kjt``'s tensors; fxrec's or TorchRec's."""
+    return type(kjt)(
+        keys=kjt.keys(),
+        values=kjt.values(),
+        weights=kjt.weights_or_none(),
         lengths=kjt.lengths(),
         stride=kjt.stride(),
     )

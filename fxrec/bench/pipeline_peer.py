@@ -14,7 +14,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from fxrec.bench.pipeline_data import Loader, PipelineRankingModel, Variant, per_feature
+from fxrec.bench.pipeline_data import (
+    Loader,
+    PipelineRankingModel,
+    Variant,
+    fresh_kjt,
+    per_feature,
+)
 
 __all__ = ["torchrec_variants"]
 
@@ -45,25 +51,10 @@ class _TorchRecLoader(Loader):
             raw.labels,
         )
 
-    def _pregenerated(self, count: int) -> list[Any]:
-        import torchrec
-
-        def fresh(k: Any) -> Any:
-            return torchrec.KeyedJaggedTensor(
-                keys=k.keys(),
-                values=k.values(),
-                weights=k.weights_or_none(),
-                lengths=k.lengths(),
-                stride=k.stride(),
-            )
-
-        first = [self._collate_next() for _ in range(min(count, len(self.raws)))]
-        self.i = count
-        batch_type = _torchrec_batch_type()
-        return [
-            batch_type(b.dense, fresh(b.sparse), fresh(b.wsparse), b.labels)
-            for b in (first[j % len(first)] for j in range(count))
-        ]
+    def _refresh(self, batch: Any) -> Any:
+        return _torchrec_batch_type()(
+            batch.dense, fresh_kjt(batch.sparse), fresh_kjt(batch.wsparse), batch.labels
+        )
 
 
 def _torchrec_batch_type() -> type:
@@ -126,7 +117,6 @@ def torchrec_variants(
     from torchrec.distributed.train_pipeline import TrainPipelineBase as TRBase
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist as TRSparseDist
     from torchrec.distributed.types import ShardingEnv
-    from torchrec.modules.embedding_configs import EmbeddingBagConfig
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
     from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
@@ -139,15 +129,7 @@ def torchrec_variants(
     device = torch.device("cpu")
 
     def tr_ebc(fx_ebc: nn.Module, prefix: str, weighted: bool) -> nn.Module:
-        tables = [
-            EmbeddingBagConfig(
-                num_embeddings=c.num_embeddings,
-                embedding_dim=c.embedding_dim,
-                name=c.name,
-                feature_names=list(c.feature_names),
-            )
-            for c in fx_ebc.embedding_bag_configs()
-        ]
+        tables = [c.to_torchrec() for c in fx_ebc.embedding_bag_configs()]
         ebc = EmbeddingBagCollection(tables=tables, is_weighted=weighted, device=device)
         with torch.no_grad():  # same initial weights as fxrec's collection, where keys agree
             for k, v in ebc.state_dict().items():

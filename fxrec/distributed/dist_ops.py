@@ -39,6 +39,7 @@ __all__ = [
     "IdsHandle",
     "IdsSplits",
     "assemble_pooled",
+    "key_index",
     "request_counts",
     "request_ids",
     "request_pooled",
@@ -106,18 +107,25 @@ def _pg(name: str) -> dist.ProcessGroup:
     return dist.distributed_c10d._resolve_process_group(name)
 
 
-def _owner_major(kjt: KeyedJaggedTensor, layout: IdsLayout) -> KeyedJaggedTensor:
+def key_index(kjt: KeyedJaggedTensor, keys: Sequence[str]) -> dict[str, int]:
+    """Position of each key of ``kjt``, after checking that it has one batch size and every
+    key in ``keys`` (what a sharded collection reads)."""
     if kjt.variable_stride_per_key():
         raise ValueError(
             "ShardedEmbeddingBagCollection needs one batch size for every key; got a variable "
             f"batch per key {kjt.stride_per_key()}. Pad the batch to a common size."
         )
     index = {k: i for i, k in enumerate(kjt.keys())}
-    missing = [k for k in layout.send_keys if k not in index]
+    missing = [k for k in keys if k not in index]
     if missing:
         raise ValueError(
             f"input is missing features {missing} of the sharded collection (got keys {kjt.keys()})"
         )
+    return index
+
+
+def _owner_major(kjt: KeyedJaggedTensor, layout: IdsLayout) -> KeyedJaggedTensor:
+    index = key_index(kjt, layout.send_keys)
     return kjt.permute([index[k] for k in layout.send_keys])
 
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 
+from fxrec.distributed.dist_ops import key_index
 from fxrec.distributed.plan import row_bounds
 from fxrec.sparse import KeyedJaggedTensor, KeyedTensor
 from fxrec.sparse import validation as V
@@ -81,15 +82,6 @@ class RowShards:
         return keys, dims
 
 
-def _uniform(kjt: KeyedJaggedTensor) -> int:
-    if kjt.variable_stride_per_key():
-        raise ValueError(
-            "ShardedEmbeddingBagCollection needs one batch size for every key; got a variable "
-            f"batch per key {kjt.stride_per_key()}. Pad the batch to a common size."
-        )
-    return kjt.stride()
-
-
 @torch.fx.wrap
 def split_rows(kjt: KeyedJaggedTensor, shards: RowShards) -> KeyedJaggedTensor:
     """``kjt`` with each row-wise feature replaced by its ``world`` shard features.
@@ -98,13 +90,8 @@ def split_rows(kjt: KeyedJaggedTensor, shards: RowShards) -> KeyedJaggedTensor:
     holds, for every row of the batch, the ids of the bag that fall in row block ``r``,
     shifted to start at 0, in their original order.
     """
-    batch = _uniform(kjt)
-    index = {k: i for i, k in enumerate(kjt.keys())}
-    missing = [f for f in shards.features if f not in index]
-    if missing:
-        raise ValueError(
-            f"input is missing features {missing} of the sharded collection (got keys {kjt.keys()})"
-        )
+    index = key_index(kjt, shards.features)
+    batch = kjt.stride()
     rw = set(shards.features)
     keep = [i for i, k in enumerate(kjt.keys()) if k not in rw]
     lpk = kjt.length_per_key()

@@ -162,7 +162,7 @@ class InputPacker:
         any_weighted = any(self.weighted)
         i = 0
         for chunk in chunks:
-            p = chunk if isinstance(chunk, JaggedParts) else _kjt_parts(chunk)
+            p = chunk if isinstance(chunk, JaggedParts) else JaggedParts.of_kjt(chunk)
             for k in p.keys:
                 if (p.weights is not None) != self.weighted[i]:
                     state = "has" if p.weights is not None else "has no"
@@ -232,18 +232,6 @@ class InputPacker:
 def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
     """One copy of all parts (none for one part, or parts already end to end in a buffer)."""
     return parts[0] if len(parts) == 1 else join_values(parts)
-
-
-def _kjt_parts(kjt: KeyedJaggedTensor) -> JaggedParts:
-    w = kjt.weights_or_none()
-    return JaggedParts(
-        list(kjt.keys()),
-        [kjt.values()],
-        kjt.lengths(),
-        None if w is None else [w],
-        kjt.stride_per_key(),
-        kjt.length_per_key(),
-    )
 
 
 def _pieces_to_jts(cf: CombinedFeatures, weighted: Sequence[bool]) -> list[JaggedTensor]:
@@ -570,7 +558,7 @@ def _example_dtypes(slots: Sequence[_Slot], args: Sequence[Any]) -> tuple[Any, A
         if s.kind != _DENSE:
             got = _chunk_of(s, args)
             for c in got if isinstance(got, list) else [got]:
-                parts.append(c if isinstance(c, JaggedParts) else _kjt_parts(c))
+                parts.append(c if isinstance(c, JaggedParts) else JaggedParts.of_kjt(c))
     if not parts:
         raise ValueError("no sparse inputs")
     w = next((p.weights[0] for p in parts if p.weights), None)

@@ -286,6 +286,19 @@ class JaggedParts:
     stride_per_key: list[int]
     length_per_key: list[int]
 
+    @staticmethod
+    def of_kjt(kjt: KeyedJaggedTensor) -> JaggedParts:
+        """A KJT's features as one part each of values (and weights)."""
+        w = kjt.weights_or_none()
+        return JaggedParts(
+            list(kjt.keys()),
+            [kjt.values()],
+            kjt.lengths(),
+            None if w is None else [w],
+            kjt.stride_per_key(),
+            kjt.length_per_key(),
+        )
+
 
 def tensordict_parts(td: TensorDictBase, keys: Sequence[str] | None = None) -> JaggedParts:
     """The features ``keys`` of ``td`` as :class:`JaggedParts`, checked as on conversion.
@@ -298,15 +311,7 @@ def tensordict_parts(td: TensorDictBase, keys: Sequence[str] | None = None) -> J
     entries = _entries(td, keys)
     prepared = _lookup(td, keys, entries)
     if prepared is not None:
-        w = prepared.weights_or_none()
-        return JaggedParts(
-            keys,
-            [prepared.values()],
-            prepared.lengths(),
-            None if w is None else [w],
-            prepared.stride_per_key(),
-            prepared.length_per_key(),
-        )
+        return JaggedParts.of_kjt(prepared)
     parts = _parts(td, keys, entries)
     _check_parts(parts)
     return parts
@@ -326,7 +331,7 @@ def _convert(td: TensorDictBase, keys: list[str], entries: list[Any]) -> KeyedJa
     if values.dim() != 1 or (weights is not None and weights.dim() != 1):
         _check_parts(p)
     if V.validation_enabled():
-        if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool:
+        if _not_ids(values.dtype):
             _check_parts(p)
         V.check_weights(weights, values)
     spk = p.stride_per_key
@@ -510,13 +515,18 @@ def _joined(parts: list[torch.Tensor]) -> torch.Tensor | None:
 
 def join_values(parts: Sequence[torch.Tensor]) -> torch.Tensor:
     """``torch.cat(parts)`` of 1-D parts, or a view when they lie end to end (:func:`_joined`)."""
-    joined = _joined(list(parts))
-    return joined if joined is not None else torch.cat(list(parts))
+    parts = list(parts)
+    joined = _joined(parts)
+    return joined if joined is not None else torch.cat(parts)
+
+
+def _not_ids(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point or dtype.is_complex or dtype == torch.bool
 
 
 def _check_ids(keys: list[str], vals: list[torch.Tensor]) -> None:
     for k, v in zip(keys, vals):
-        if v.dtype.is_floating_point or v.dtype.is_complex or v.dtype == torch.bool:
+        if _not_ids(v.dtype):
             V.check_ids(v, k)
 
 

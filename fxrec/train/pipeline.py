@@ -358,8 +358,7 @@ class TrainPipelineSparseDist(TrainPipelineBase):
                 try:
                     self._input_dist.start(self._next[1])
                 except Exception as err:  # a bad next batch fails as itself, not as batch i
-                    nxt = self._next
-                    self._next = (nxt[0], None, err, "sending its ids to their owners")
+                    self._fail_next(err)
 
         return self._train(index, batch, after_forward=start_next)
 
@@ -370,11 +369,15 @@ class TrainPipelineSparseDist(TrainPipelineBase):
         try:
             self._input_dist.advance()
         except Exception as err:
-            nxt = self._next
-            if nxt is not None and nxt[2] is None:
-                self._next = (nxt[0], None, err, "sending its ids to their owners")
+            self._fail_next(err)
             self._input_dist.discard()
         self.optimizer.step()
+
+    def _fail_next(self, err: BaseException) -> None:
+        """Batch i+1 failed while its ids were being sent: it is raised as itself, later."""
+        nxt = self._next
+        if nxt is not None and nxt[2] is None:
+            self._next = (nxt[0], None, err, "sending its ids to their owners")
 
     def close(self) -> None:
         """Stop the background thread (promptly) and drop prepared batches."""

@@ -334,16 +334,46 @@ class TinyDLRM(nn.Module):
         return self.over(torch.cat([d, kt.values()], 1))
 
 
-def _dlrm_overlapped(rank: int, world: int, row_wise: tuple[str, ...]) -> None:
+def tiny_sharded_dlrm(row_wise: tuple[str, ...]) -> tuple[nn.Module, TinyDLRM]:
+    """The 4-table test collection, sharded (``row_wise`` tables by rows), in a TinyDLRM."""
     from fxrec.distributed import shard
-    from tests.distributed.test_sharded_ebc import make_batch, make_ebc
+    from tests.distributed.test_sharded_ebc import make_ebc
 
     ebc = make_ebc(n_tables=4)
     torch.manual_seed(5)
-    model = TinyDLRM(
-        shard(ebc, row_wise=row_wise),
-        sum(c.embedding_dim * len(c.feature_names) for c in ebc.embedding_bag_configs()),
-    )
+    width = sum(c.embedding_dim * len(c.feature_names) for c in ebc.embedding_bag_configs())
+    return ebc, TinyDLRM(shard(ebc, row_wise=row_wise), width)
+
+
+def check_steps(model: nn.Module, run, ebc: nn.Module, rank: int, check) -> None:
+    """Two training steps of ``run`` against ``model`` on fresh batches: ``check(got, want)``
+    on the outputs and on every parameter's gradient."""
+    from tests.distributed.test_sharded_ebc import make_batch
+
+    batch = 4 + rank
+    for step in range(2):
+        kjt = make_batch(ebc, rank + 10 * step, batch, False)
+        dense = torch.randn(batch, 6, generator=torch.Generator().manual_seed(step))
+        ref = model(dense, kjt)
+        ref.sum().backward()
+        want = {k: p.grad.clone() for k, p in model.named_parameters()}
+        model.zero_grad()
+        got = run(dense, kjt)
+        got.sum().backward()
+        check(got, ref)
+        for k, p in model.named_parameters():
+            check(p.grad, want[k])
+        model.zero_grad()
+
+
+def _identical(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert torch.equal(got, want)
+
+
+def _dlrm_overlapped(rank: int, world: int, row_wise: tuple[str, ...]) -> None:
+    from tests.distributed.test_sharded_ebc import make_batch
+
+    ebc, model = tiny_sharded_dlrm(row_wise)
     batch = 4 + rank
     kjt = make_batch(ebc, rank, batch, False)
     dense = torch.randn(batch, 6, generator=torch.Generator().manual_seed(rank))
@@ -354,19 +384,7 @@ def _dlrm_overlapped(rank: int, world: int, row_wise: tuple[str, ...]) -> None:
     assert [r for r, _ in windows] == ["request_counts", "send_ids", "request_pooled"]
     for req, between in windows:
         assert any(n.startswith("dense_") for n in between), (req, between)
-
-    for step in range(2):
-        kjt = make_batch(ebc, rank + 10 * step, batch, False)
-        ref = model(dense, kjt)
-        ref.sum().backward()
-        ref_grads = {k: p.grad.clone() for k, p in model.named_parameters()}
-        model.zero_grad()
-        got = opt(dense, kjt)
-        got.sum().backward()
-        assert torch.equal(got, ref)
-        for k, p in model.named_parameters():
-            assert torch.equal(p.grad, ref_grads[k]), k
-        model.zero_grad()
+    check_steps(model, opt, ebc, rank, _identical)  # only the order changed: bit for bit
 
 
 @pytest.mark.distributed

@@ -271,27 +271,15 @@ def _compiled_matches(rank: int, world: int, row_wise: tuple[str, ...]) -> None:
     # torch.compile with fxrec's backend around a model holding a sharded collection: dynamo
     # breaks the graph at each exchange; the pieces fxrec rewrites must compute the same.
     import fxrec
-    from tests.distributed.test_overlap_pass import TinyDLRM
-    from tests.distributed.test_sharded_ebc import make_batch, make_ebc
+    from tests.distributed.test_overlap_pass import check_steps, tiny_sharded_dlrm
 
-    ebc = make_ebc(n_tables=4)
-    torch.manual_seed(5)
-    width = sum(c.embedding_dim * len(c.feature_names) for c in ebc.embedding_bag_configs())
-    model = TinyDLRM(shard(ebc, row_wise=row_wise), width)
+    ebc, model = tiny_sharded_dlrm(row_wise)
     compiled = torch.compile(model, backend=fxrec.compile_backend("aot_eager"))
-    for step in range(2):
-        kjt = make_batch(ebc, rank + 10 * step, 4 + rank, False)
-        dense = torch.randn(4 + rank, 6, generator=torch.Generator().manual_seed(step))
-        ref = model(dense, kjt)
-        ref.sum().backward()
-        want = {k: p.grad.clone() for k, p in model.named_parameters()}
-        model.zero_grad()
-        got = compiled(dense, kjt)
-        got.sum().backward()
-        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
-        for k, p in model.named_parameters():
-            torch.testing.assert_close(p.grad, want[k], rtol=1e-5, atol=1e-6)
-        model.zero_grad()
+
+    def close(got: torch.Tensor, want: torch.Tensor) -> None:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+    check_steps(model, compiled, ebc, rank, close)
 
 
 @pytest.mark.distributed
