@@ -123,20 +123,13 @@ def gather(
 ) -> KeyedJaggedTensor:
     """The input's keys in ``order`` (a gather; repeats repeat), with ``weights`` (or none).
 
-    Weights that need a gradient, and ids narrower than int32, take the pure-torch gather:
-    fbgemm's ``permute_2D_sparse_data`` backward breaks when a key repeats (a feature read by
-    two tables): "invalid gradient ... got [9] but expected shape compatible with [6]", or a
-    crash; and it has no int16/int8 kernel.
+    :func:`permute_jagged` picks the backend: weights that need a gradient, and ids or
+    lengths narrower than int32, take its pure-torch gather.
     """
     spk = kjt.stride_per_key()
     lpk = kjt.length_per_key()
-    needs_torch = (weights is not None and weights.requires_grad) or kjt.values().dtype not in (
-        torch.int32,
-        torch.int64,
-    )
-    backend = "torch" if needs_torch else None
     values, lengths, gathered = permute_jagged(
-        kjt.values(), kjt.lengths(), weights, spk, lpk, order, backend=backend
+        kjt.values(), kjt.lengths(), weights, spk, lpk, order
     )
     return KeyedJaggedTensor._make(
         [kjt.keys()[i] for i in order],

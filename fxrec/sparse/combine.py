@@ -108,7 +108,10 @@ def pack_features(
         missing = [k for k in names if k not in features]
         if missing:
             raise ValueError(f"features {missing[:5]} are not in the dict ({list(features)[:10]}).")
-        kjt = KeyedJaggedTensor.from_jt_dict({k: features[k] for k in names})
+        kjt = KeyedJaggedTensor.from_jt_dict({k: features[k] for k in dict.fromkeys(names)})
+        if kjt.keys() != names:  # a repeated key repeats, as for a KJT or a TensorDict
+            idx = kjt.index_per_key()
+            kjt = kjt.permute([idx[k] for k in names])
     else:
         raise ValueError(
             f"pack_features takes a KeyedJaggedTensor, a TensorDict or a dict of JaggedTensor, "

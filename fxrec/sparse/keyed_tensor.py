@@ -104,8 +104,9 @@ class KeyedTensor(metaclass=SparseMeta):
     ) -> list[torch.Tensor]:
         """One tensor per group: the groups' keys' slices concatenated in the given order.
 
-        Keys may come from any of ``keyed_tensors`` (all with the same ``key_dim``); one ``cat``
-        per group, differentiable.
+        Keys may come from any of ``keyed_tensors`` (all with the same ``key_dim``); a key held
+        more than once is taken from its last holder, as in TorchRec (and as ``kt[key]``). One
+        ``cat`` per group, differentiable.
         """
         if not keyed_tensors:
             raise ValueError("KeyedTensor.regroup needs at least one KeyedTensor.")
@@ -115,7 +116,7 @@ class KeyedTensor(metaclass=SparseMeta):
             if kt.key_dim() != key_dim:
                 raise ValueError("KeyedTensor.regroup needs every input to have the same key_dim.")
             for k, t in zip(kt.keys(), torch.split(kt.values(), kt.length_per_key(), key_dim)):
-                where.setdefault(k, t)
+                where[k] = t  # a key in several: the last one wins, as in TorchRec
         out = []
         for g in groups:
             missing = [k for k in g if k not in where]

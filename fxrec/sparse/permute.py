@@ -60,6 +60,23 @@ def get_backend() -> str:
     return "fbgemm" if fbgemm_available() else "torch"
 
 
+_FBGEMM_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _fbgemm_handles(
+    values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None
+) -> bool:
+    """Whether fbgemm's permute kernels compute this case right.
+
+    They have kernels for int32/int64 ids and lengths only, and their autograd drops or
+    misroutes the weights' gradient (wrong sums for repeated keys, ``None`` for a variable
+    batch, errors for dropped keys): weights that need a gradient take the torch path.
+    """
+    if values.dtype not in _FBGEMM_INDEX_DTYPES or lengths.dtype not in _FBGEMM_INDEX_DTYPES:
+        return False
+    return weights is None or not (weights.requires_grad and torch.is_grad_enabled())
+
+
 def permute_jagged(
     values: torch.Tensor,
     lengths: torch.Tensor,
@@ -74,6 +91,8 @@ def permute_jagged(
     Returns new ``(values, lengths, weights)`` tensors, never views of the inputs.
     """
     backend = backend or get_backend()
+    if backend == "fbgemm" and not _fbgemm_handles(values, lengths, weights):
+        backend = "torch"
     order = list(order)
     total = sum(length_per_key[i] for i in order)
     degenerate = not order or values.numel() == 0 or lengths.numel() == 0

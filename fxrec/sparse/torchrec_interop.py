@@ -73,9 +73,12 @@ def from_torchrec(x: Any) -> JaggedTensor | KeyedJaggedTensor | KeyedTensor:
                 "embeddings), which fxrec does not model; expand it before converting."
             )
         variable = x.variable_stride_per_key()
+        values = x.values()
+        if values.numel() == 0 and values.dtype.is_floating_point:
+            values = values.long()  # TorchRec's KeyedJaggedTensor.empty() holds float32 ids
         return KeyedJaggedTensor(
             keys=list(x.keys()),
-            values=x.values(),
+            values=values,
             weights=x.weights_or_none(),
             lengths=x.lengths(),
             stride=None if variable else x.stride(),

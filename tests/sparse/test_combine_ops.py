@@ -179,6 +179,13 @@ def test_pack_from_kjt_tensordict_and_dict_agree() -> None:
         assert torch.equal(cf.weights, from_kjt.weights)
     sub = pack_features(kjt, ["c", "a"])
     assert sub.keys == ("c", "a") and sub.values.tolist() == [5, 6, 7, 8, 0, 1]
+    for order in (["b", "a", "b"], ["c", "c"]):  # a repeated key repeats, whatever the input
+        want = pack_features(kjt, order)
+        for features in (kjt_to_tensordict(kjt), kjt.to_dict()):
+            got = pack_features(features, order)
+            assert got.keys == want.keys == tuple(order)
+            assert got.stride_per_key == want.stride_per_key
+            assert torch.equal(got.values, want.values) and torch.equal(got.lengths, want.lengths)
     with pytest.raises(ValueError, match="'zz'"):
         pack_features(kjt, ["zz"])
     with pytest.raises(ValueError, match="pack_features takes"):

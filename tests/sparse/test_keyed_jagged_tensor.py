@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+from collections.abc import Iterator
 
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+import fxrec.sparse as S
 from fxrec.sparse import JaggedTensor, KeyedJaggedTensor
 from tests.sparse.helpers import RefFeatures, kjt_bags, ref_bags, ref_features
 
@@ -76,6 +79,74 @@ def test_permute_is_a_gather(ref: RefFeatures, data: st.DataObject) -> None:
     out = ref.kjt().permute(order)
     assert kjt_bags(out) == ref_bags(ref.select(order))
     assert out.length_per_key() == [sum(len(b) for b in ref.bags[ref.keys[i]]) for i in order]
+
+
+@contextlib.contextmanager
+def _sparse_backend(name: str) -> Iterator[None]:
+    S.set_backend(name)
+    try:
+        yield
+    finally:
+        S.set_backend("auto")
+
+
+_BACKENDS = ["torch", *(["fbgemm"] if S.fbgemm_available() else [])]
+
+
+@pytest.mark.parametrize("backend", _BACKENDS)
+@given(ref_features(weighted=True), st.data())
+def test_permute_routes_weight_gradients(
+    backend: str, ref: RefFeatures, data: st.DataObject
+) -> None:
+    """Each output weight's gradient lands on its source (repeats add up, drops get zero),
+    whichever backend is chosen: fbgemm's own autograd misroutes it."""
+    order = data.draw(st.lists(st.integers(0, len(ref.keys) - 1), min_size=1, max_size=6))
+    kjt = ref.kjt()
+    w = kjt.weights().detach().requires_grad_(True)
+    kjt = KeyedJaggedTensor(
+        kjt.keys(),
+        kjt.values(),
+        w,
+        lengths=kjt.lengths(),
+        stride_per_key=kjt.stride_per_key() if ref.variable else None,
+    )
+    with _sparse_backend(backend):
+        out = kjt.permute(order)
+    upstream = torch.randn(out.weights().numel())
+    (out.weights() * upstream).sum().backward()
+    lpk = kjt.length_per_key()
+    starts = [0, *itertools.accumulate(lpk)]
+    expected = torch.zeros_like(w)
+    pos = 0
+    for i in order:
+        expected[starts[i] : starts[i + 1]] += upstream[pos : pos + lpk[i]]
+        pos += lpk[i]
+    torch.testing.assert_close(w.grad if w.grad is not None else torch.zeros_like(w), expected)
+
+
+@pytest.mark.parametrize("backend", _BACKENDS)
+@pytest.mark.parametrize(
+    ("ids", "lengths"),
+    [(torch.int16, torch.int64), (torch.uint8, torch.int32), (torch.int32, torch.int16)],
+)
+@given(ref=ref_features(), data=st.data())
+def test_permute_takes_narrow_integer_dtypes(
+    backend: str, ids: torch.dtype, lengths: torch.dtype, ref: RefFeatures, data: st.DataObject
+) -> None:
+    """Ids and lengths of any integer dtype permute (fbgemm has int32/int64 kernels only)."""
+    order = data.draw(st.lists(st.integers(0, len(ref.keys) - 1), max_size=6))
+    kjt = ref.kjt()
+    narrow = KeyedJaggedTensor(
+        kjt.keys(),
+        kjt.values().to(ids),
+        kjt.weights_or_none(),
+        lengths=kjt.lengths().to(lengths),
+        stride_per_key=kjt.stride_per_key() if ref.variable else None,
+    )
+    with _sparse_backend(backend):
+        out = narrow.permute(order)
+    assert out.values().dtype == ids and out.lengths().dtype == lengths
+    assert kjt_bags(out) == ref_bags(ref.select(order))
 
 
 @given(ref_features(min_keys=0), st.data())

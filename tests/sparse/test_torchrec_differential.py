@@ -111,6 +111,29 @@ def test_regroup_agrees() -> None:
         assert torch.equal(x, y)
 
 
+def test_regroup_takes_a_repeated_key_from_its_last_holder_as_torchrec() -> None:
+    a = KeyedTensor(["x", "y"], [1, 1], torch.randn(3, 2))
+    b = KeyedTensor(["y", "z"], [1, 2], torch.randn(3, 3))
+    for groups in ([["y", "z"]], [["z", "y", "x"]]):
+        ours = KeyedTensor.regroup([a, b], groups)
+        theirs = trec.KeyedTensor.regroup([to_torchrec(a), to_torchrec(b)], groups)
+        for x, y in zip(ours, theirs):
+            assert torch.equal(x, y)
+    dup = KeyedTensor(["y", "y"], [1, 1], torch.randn(3, 2))
+    assert torch.equal(KeyedTensor.regroup([dup], [["y"]])[0], dup["y"])
+    assert torch.equal(
+        KeyedTensor.regroup_as_dict([a, b], [["y"]], ["g"])["g"],
+        trec.KeyedTensor.regroup_as_dict([to_torchrec(a), to_torchrec(b)], [["y"]], ["g"])["g"],
+    )
+
+
+def test_torchrecs_empty_kjt_converts() -> None:
+    """TorchRec's ``KeyedJaggedTensor.empty()`` holds float32 values; no ids to check."""
+    ours = from_torchrec(trec.KeyedJaggedTensor.empty())
+    assert ours.keys() == [] and ours.values().numel() == 0
+    assert not ours.values().dtype.is_floating_point
+
+
 def test_conversion_errors() -> None:
     with pytest.raises(ValueError, match="to_torchrec takes"):
         to_torchrec(torch.zeros(1))  # type: ignore[arg-type]
