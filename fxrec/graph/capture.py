@@ -14,6 +14,7 @@ Dynamo's own machinery (guards, graph breaks, input and output plumbing) stays i
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -52,13 +53,17 @@ class FxrecTracer(fx.Tracer):
 
 def capture_symbolic(model: nn.Module) -> fx.GraphModule:
     """Trace ``model`` with :class:`FxrecTracer`; raises :class:`CaptureError` on failure."""
+    params = inspect.signature(model.forward).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        # The trace takes them as one dict placeholder, which calls cannot line up with.
+        raise CaptureError("symbolic tracing skipped: forward takes **kwargs")
     tracer = FxrecTracer()
     try:
         graph = tracer.trace(model)
+        # Code generation fails too, e.g. on ``forward(x, y=None, *, z)``.
+        return fx.GraphModule(tracer.root, graph, type(model).__name__)
     except Exception as exc:  # tracing fails in many, unpredictable ways
         raise CaptureError(f"symbolic tracing failed: {type(exc).__name__}: {exc}") from exc
-    name = type(model).__name__
-    return fx.GraphModule(tracer.root, graph, name)
 
 
 def param_names(model: nn.Module) -> dict[int, str]:

@@ -11,7 +11,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["has_side_effects", "mutates_input", "is_random", "written_in_place"]
+__all__ = ["comm_kind", "has_side_effects", "mutates_input", "is_random", "written_in_place"]
 
 _STATEFUL_FUNCTIONS = {F.batch_norm, torch.batch_norm, F.instance_norm}
 _RANDOM_FUNCTIONS = {
@@ -100,3 +100,25 @@ def written_in_place(node: fx.Node, depth: int = 3) -> bool:
         if d < depth:
             work.extend((v, d + 1) for v in u.users)
     return False
+
+
+_FUNCTIONAL_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd")
+_WAIT_NAMES = ("wait_tensor",)
+
+
+def comm_kind(node: fx.Node) -> str | None:
+    """``"request"``, ``"wait"`` or None for a node that is no collective."""
+    if node.op != "call_function":
+        return None
+    target = node.target
+    tag = getattr(target, "_fxrec_comm", None)
+    if tag in ("request", "wait"):
+        return tag
+    ns = getattr(target, "namespace", None)
+    if ns is None and isinstance(target, torch._ops.OpOverloadPacket):
+        ns = target._qualified_op_name.split("::")[0]
+    if ns in _FUNCTIONAL_NAMESPACES:
+        name = getattr(target, "__name__", "")
+        base = name.split(".")[0]
+        return "wait" if base in _WAIT_NAMES else "request"
+    return None

@@ -3,8 +3,9 @@
 The returned :class:`OptimizedModule` captures lazily, on the first call in each mode
 (train/eval) and input signature, because both change the graph: symbolic tracing bakes in
 ``self.training``, and the cost model's choices depend on shapes (the best lowering of the
-seed pattern differs between batch 32 and 2048). Captures are cached; parameters laid out
-once are shared by every cached graph.
+seed pattern differs between batch 32 and 2048). Captures are cached; parameters are laid
+out by the first graph and shared by every graph built later, which reaches members it did not
+fuse through the flat tensors (see :meth:`fxrec.graph.params.ParamStore.rebind`).
 
 State stays the user's: ``state_dict()`` and ``load_state_dict`` are the original model's,
 and fused parameters share storage with the original ones (see :mod:`fxrec.graph.params`).
@@ -13,6 +14,7 @@ Build the optimizer on ``optimized.parameters()`` after calling ``optimize``.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
 import types
@@ -25,8 +27,9 @@ from torch import nn
 
 from fxrec.graph import meta
 from fxrec.graph.capture import CaptureError, capture_symbolic
+from fxrec.graph.effects import comm_kind
 from fxrec.graph.optimize_graph import RuleSpec, optimize_graph, resolve_rules
-from fxrec.graph.params import FusedParameters
+from fxrec.graph.params import FusedParameters, ParamStore
 from fxrec.graph.report import Report
 
 logger = logging.getLogger(__name__)
@@ -59,6 +62,19 @@ def _signature(x: Any) -> Any:
     )
 
 
+def _structure(x: Any) -> Any:
+    """``_signature`` without sizes: what a graph depends on beyond the cost model's choices.
+
+    Rules never bake sizes into a graph, so a graph built for one signature runs any other of
+    the same structure (keys, dtypes, ranks of tensors, constants), only perhaps less well.
+    """
+    if isinstance(x, tuple):
+        if x and x[0] == "T":
+            return ("T", len(x[1]), *x[2:])
+        return tuple(_structure(i) for i in x)
+    return x
+
+
 class OptimizedModule(nn.Module):
     """Runs ``model`` through fxrec-optimized graphs; same signature, outputs and gradients."""
 
@@ -83,37 +99,61 @@ class OptimizedModule(nn.Module):
         self._keep_params = keep_params
         self._check = check
         self._guards = guards
-        self._traced: dict[bool, fx.GraphModule | None] = {}
+        self._traced: dict[Any, fx.GraphModule | None] = {}
         self._runners: dict[Any, Any] = {}
+        self._communicates: set[Any] = set()
         self._compiled: Any = None
         self._dynamo_backend: Any = None
+        self._submodules = list(model.modules())
         self.fxrec_report = Report()
         self.train(model.training)
 
     # -- running -----------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if kwargs:
-            args = self._positional(args, kwargs)
-        key = (self.training, _signature(args))
+            args, kwargs = self._bind(args, kwargs)
+        key = self._key(args, kwargs)
         runner = self._runners.get(key)
         if runner is None:
-            runner = self._build(key, args)
-        return runner(*args)
+            runner = self._build(key, args, kwargs)
+        self.fxrec_fused.sync_requires_grad()
+        out = runner(*args, **kwargs)
+        self.fxrec_fused.freeze()  # the first call's layouts are the ones the optimizer holds
+        return out
 
-    def _positional(self, args: tuple, kwargs: dict) -> tuple:
+    def _key(self, args: tuple, kwargs: dict) -> Any:
+        return (self._mode(), _signature(args), _signature(kwargs) if kwargs else None)
+
+    def _bind(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Arguments as ``forward`` declares them: positional ones by position, defaults
+        filled in; keyword-only ones (and ``**kwargs``) stay keywords."""
         bound = inspect.signature(self.model.forward).bind(*args, **kwargs)
         bound.apply_defaults()
-        return tuple(bound.arguments.values())
+        return bound.args, bound.kwargs
+
+    def _mode(self) -> Any:
+        """``self.training``, or every submodule's flag when they differ (a BatchNorm put in
+        eval mode alone): graphs bake the flags in, so each mix gets graphs of its own."""
+        t = self.training
+        for m in self._submodules:
+            if m.training is not t:
+                return tuple(m.training for m in self._submodules)
+        return t
 
     def _owner(self) -> FusedParameters | None:
         return None if self._keep_params else self.fxrec_fused
 
-    def _build(self, key: Any, args: tuple) -> Any:
-        mode = self.training
-        same_mode = [k for k in self._runners if k[0] == mode]
-        if len(same_mode) >= MAX_CACHED_SIGNATURES:
-            # Rules never bake the batch size into a graph, so any graph of this mode is valid.
-            return self._runners[same_mode[0]]
+    def _build(self, key: Any, args: tuple, kwargs: dict) -> Any:
+        mode = key[0]
+        loose = [k for k in self._runners if k[0] == mode and _structure(k) == _structure(key)]
+        if loose and (mode in self._communicates or len(self._runners) >= MAX_CACHED_SIGNATURES):
+            # A graph of the same structure runs these inputs too. Reused when the cache is
+            # full, and always when the graph communicates: building runs the graph, whose
+            # collectives would then run on this rank only (other ranks' batch sizes differ).
+            runner = self._runners[loose[0]]
+            if len(self._runners) < MAX_CACHED_SIGNATURES:
+                self._runners[key] = runner
+            return runner
         if mode not in self._traced:
             try:
                 self._traced[mode] = capture_symbolic(self.model)
@@ -122,10 +162,17 @@ class OptimizedModule(nn.Module):
                 self.fxrec_report.notes.append(str(exc)[:200])
                 self._traced[mode] = None
         traced = self._traced[mode]
-        if traced is None:
+        runner = None
+        if traced is not None:
+            try:
+                runner = self._optimize_traced(traced, mode, args, kwargs)
+            except _TraceDoesNotRun as exc:
+                note = f"symbolic trace does not run these inputs ({exc}); dynamo captures them"
+                logger.info("fxrec: %s", note)
+                if note not in self.fxrec_report.notes:
+                    self.fxrec_report.notes.append(note)
+        if runner is None:
             runner = self._dynamo_runner()
-        else:
-            runner = self._optimize_traced(traced, args)
         self._runners[key] = runner
         return runner
 
@@ -158,12 +205,21 @@ class OptimizedModule(nn.Module):
             direct=not self._guards and code is not None,
         )  # fmt: skip
 
-    def _optimize_traced(self, traced: fx.GraphModule, args: tuple) -> Any:
+    def _optimize_traced(
+        self, traced: fx.GraphModule, mode: Any, call_args: tuple, kwargs: dict
+    ) -> Any:
+        args = call_args + tuple(kwargs.values())  # the trace's placeholders, in order
         graph = fx.Graph()
         graph.output(graph.graph_copy(traced.graph, {}))
         gm = fx.GraphModule(traced, graph, traced.__class__.__name__)
+        if any(comm_kind(n) for n in gm.graph.nodes):
+            self._communicates.add(mode)
         with _preserved_state(self.model):
-            reference = _run_annotating(gm, args)
+            try:
+                reference = _run_annotating(gm, args)
+            except Exception as exc:
+                _raise_if_model_fails(self.model, call_args, kwargs)
+                raise _TraceDoesNotRun(f"{type(exc).__name__}: {exc}") from exc
         report = Report(capture="symbolic_trace")
         optimize_graph(
             gm,
@@ -182,6 +238,8 @@ class OptimizedModule(nn.Module):
                 "check failed: outputs differ on the example inputs; graph left unoptimized"
             )
             gm = fx.GraphModule(traced, _copy_graph(traced.graph), traced.__class__.__name__)
+            ParamStore(gm, self._owner()).rebind()  # members laid out already: reach them
+            gm.recompile()
         self.fxrec_report.capture = self.fxrec_report.capture or report.capture
         self.fxrec_report.merge(report)
         if self._backend != "eager":  # the optimized graph, compiled (parameters as inputs)
@@ -217,6 +275,27 @@ class OptimizedModule(nn.Module):
         self._traced.clear()
         self._compiled = None
         return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> OptimizedModule:
+        """An independent copy: the model deep-copied, its parameters laid out as here.
+
+        Graphs are rebuilt for the copy on its first calls (they hold this module's tensors,
+        and dynamo's state cannot be copied).
+        """
+        model = copy.deepcopy(self.model, memo)
+        out = OptimizedModule(
+            model,
+            self._rules,
+            keep_params=self._keep_params,
+            check=self._check,
+            backend=self._backend,
+            guards=self._guards,
+        )
+        out.fxrec_fused = self.fxrec_fused.copy_layouts(memo)
+        out.fxrec_report = copy.deepcopy(self.fxrec_report, memo)
+        out.train(self.training)
+        memo[id(self)] = out
+        return out
 
 
 def _own_code(model: nn.Module) -> Any:
@@ -278,12 +357,12 @@ class _DynamoRunner:
         self.direct: Any = None
         self.grad_mode = True
 
-    def __call__(self, *args: Any) -> Any:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         direct = self.direct
-        if direct is not None and torch.is_grad_enabled() is self.grad_mode:
+        if direct is not None and not kwargs and torch.is_grad_enabled() is self.grad_mode:
             return direct(*args)
-        if not self.try_direct:
-            return self.compiled(*args)
+        if not self.try_direct or kwargs or len(args) != len(self.params):
+            return self.compiled(*args, **kwargs)  # defaults left out: dynamo fills them in
         self.try_direct = False
         graphs = self.backend.graphs
         first = len(graphs)
@@ -304,6 +383,32 @@ class _DynamoRunner:
         if note not in self.report.notes:
             self.report.notes.append(note)
         return result
+
+
+class _EagerRunner:
+    """The model run as written, its laid-out parameters read through the flat tensors (so
+    their gradients reach the parameters the optimizer holds)."""
+
+    def __init__(self, model: nn.Module, owner: FusedParameters) -> None:
+        self.model = model
+        self.owner = owner
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        views = self.owner.views(self.model)
+        if not views:
+            return self.model(*args, **kwargs)
+        return torch.func.functional_call(self.model, views, args, kwargs)
+
+
+class _TraceDoesNotRun(RuntimeError):
+    """The symbolic trace fails on inputs the model itself runs (a branch on an argument
+    that tracing took one way, e.g. ``if y is not None``)."""
+
+
+def _raise_if_model_fails(model: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Raise the model's own error for inputs it rejects, rather than a graph's."""
+    with _preserved_state(model), torch.no_grad():
+        model(*args, **kwargs)
 
 
 def _copy_graph(g: fx.Graph) -> fx.Graph:
@@ -391,7 +496,7 @@ def optimize(
     example_inputs: tuple | None = None,
     *,
     rules: RuleSpec = None,
-    keep_params: bool = False,
+    keep_params: bool | None = None,
     check: bool = True,
     backend: Any = "eager",
     guards: bool = False,
@@ -407,7 +512,10 @@ def optimize(
             the opt-in ones; ``["default", "overlap_comm"]`` adds one to them).
         keep_params: keep the original parameter objects as the trained leaves (fused weights
             are then gathered in-graph each step). Use it only if you cannot build your
-            optimizer after ``optimize``.
+            optimizer after ``optimize``. By default False with ``example_inputs`` and True
+            without: parameters are laid out when the first graph is built, which without
+            example inputs is the first call, after the optimizer usually exists. Pass False
+            there if the optimizer is built after the first call.
         check: compare the optimized graph with the model on the example inputs and fall back
             to the captured graph if they differ.
         backend: what runs the optimized graphs: ``"eager"`` (PyTorch ops as rewritten),
@@ -422,14 +530,16 @@ def optimize(
     Returns:
         an :class:`OptimizedModule`; its ``fxrec_report`` says what was done.
     """
+    if keep_params is None:
+        keep_params = example_inputs is None
     opt = OptimizedModule(
         model, rules, keep_params=keep_params, check=check, backend=backend, guards=guards
     )
     if example_inputs is not None:
         if not isinstance(example_inputs, tuple):
             example_inputs = (example_inputs,)
-        key = (opt.training, _signature(example_inputs))
-        runner = opt._build(key, example_inputs)
+        key = opt._key(example_inputs, {})
+        runner = opt._build(key, example_inputs, {})
         if isinstance(runner, _DynamoRunner):
             # dynamo compiles (and fxrec optimizes) on the first call; check it like a trace.
             with _preserved_state(model), torch.no_grad():
@@ -443,7 +553,8 @@ def optimize(
                     "check failed: outputs differ on the example inputs; model runs eagerly"
                 )
                 opt._compiled = model
-                opt._runners[key] = model
+                opt._runners[key] = _EagerRunner(model, opt.fxrec_fused)
+        opt.fxrec_fused.freeze()  # the optimizer is built on these layouts
         opt.fxrec_report.kernels_before, opt.fxrec_report.kernels_after = _kernels(
             model, opt, example_inputs
         )

@@ -43,6 +43,13 @@ class _Member:
     offset: int  # start row in the flat tensor (concatenated layout)
 
 
+def _member_slice(flat: torch.Tensor, how: str, m: _Member) -> torch.Tensor:
+    """``m``'s part of ``flat`` (or of its gradient), as a view."""
+    if how == "stack":
+        return flat[m.index]
+    return flat.narrow(0, m.offset, m.tensor.shape[0])
+
+
 class FusedParameters(nn.Module):
     """Owns the flat parameters and buffers of fused layers and keeps members as views."""
 
@@ -50,6 +57,51 @@ class FusedParameters(nn.Module):
         super().__init__()
         self._members: dict[str, tuple[str, list[_Member]]] = {}
         self._by_ids: dict[tuple[str, tuple[int, ...]], str] = {}
+        self.frozen = False
+
+    def freeze(self) -> None:
+        """No new layouts from now on: graphs built later reuse the existing ones.
+
+        ``parameters()`` then stays what the user's optimizer was built on; a layout made by
+        a graph built later (another input shape, eval mode) would take its members away from
+        that optimizer.
+        """
+        self.frozen = True
+
+    def sync_requires_grad(self) -> None:
+        """Give each flat parameter its members' ``requires_grad`` (changed after layout).
+
+        Freezing every member of a flat parameter freezes it; freezing only some cannot be
+        expressed by one tensor, so it raises with what to do instead.
+        """
+        for name, (_, members) in self._members.items():
+            flat = getattr(self, name)
+            if not isinstance(flat, nn.Parameter):
+                continue
+            wanted = flat.requires_grad
+            if all(m.tensor.requires_grad is wanted for m in members):
+                continue
+            flags = {m.tensor.requires_grad for m in members}
+            if len(flags) > 1:
+                raise RuntimeError(
+                    f"fxrec: some parameters laid out together in fxrec_fused.{name} have "
+                    "requires_grad=False and others True; they share one tensor. Freeze "
+                    "parameters before fxrec.optimize (frozen ones are not fused with trainable "
+                    "ones), or optimize with keep_params=True."
+                )
+            flat.requires_grad_(flags.pop())
+
+    def copy_layouts(self, memo: dict[int, object]) -> FusedParameters:
+        """The same layouts over deep copies of the members (``memo``: ``copy.deepcopy``'s)."""
+        out = FusedParameters()
+        for name, (how, members) in self._members.items():
+            copies = [memo.get(id(m.tensor)) for m in members]
+            if any(not isinstance(t, torch.Tensor) for t in copies):
+                raise RuntimeError(f"fxrec: the members of fxrec_fused.{name} were not copied.")
+            out.add(how, copies)  # type: ignore[arg-type]
+            getattr(out, name).requires_grad_(getattr(self, name).requires_grad)
+        out.frozen = self.frozen
+        return out
 
     def member_ids(self) -> set[int]:
         return {id(m.tensor) for _, ms in self._members.values() for m in ms}
@@ -76,10 +128,18 @@ class FusedParameters(nn.Module):
                 continue
             flat, how, m = loc
             g = getattr(self, flat).grad
-            if g is None:
-                out[name] = None
-            else:
-                out[name] = g[m.index] if how == "stack" else g.narrow(0, m.offset, p.shape[0])
+            out[name] = None if g is None else _member_slice(g, how, m)
+        return out
+
+    def views(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Each laid-out parameter of ``model`` by name, as a view of its flat parameter."""
+        where = self.locate()
+        out: dict[str, torch.Tensor] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            loc = where.get(id(p))
+            if loc is not None:
+                flat, how, m = loc
+                out[name] = _member_slice(getattr(self, flat), how, m)
         return out
 
     def lookup(self, how: str, tensors: Sequence[torch.Tensor]) -> str | None:
@@ -116,11 +176,7 @@ class FusedParameters(nn.Module):
             how, members = self._members[n]
             flat = getattr(self, n)
             for m in members:
-                if how == "stack":
-                    view = flat.data[m.index]
-                else:
-                    view = flat.data.narrow(0, m.offset, m.tensor.shape[0])
-                m.tensor.data = view
+                m.tensor.data = _member_slice(flat.data, how, m)
 
     def _apply(self, fn, recurse=True):  # type: ignore[override]
         out = super()._apply(fn, recurse)
@@ -150,6 +206,8 @@ class ParamStore:
             return False  # a parameter shared between members: refuse the layout
         grads = {t.requires_grad for t in ts}
         kinds = {isinstance(t, nn.Parameter) for t in ts}
+        if self.owner.frozen:
+            return False
         taken = self.owner.member_ids()
         fresh = all(id(t) not in taken for t in ts)
         return len(grads) == 1 and len(kinds) == 1 and fresh
@@ -218,7 +276,11 @@ class ParamStore:
 
         Once a parameter lives in a flat tensor, gradients must reach the flat tensor (the
         one the optimizer holds) from *every* graph, including graphs where that member was
-        not fused (another input shape, eval mode). Returns the number of reads rerouted.
+        not fused (another input shape, eval mode, a cost the model refused) and second uses
+        of a fused module. Reads are ``get_attr`` nodes, rerouted to a view of the flat
+        tensor, and ``call_module`` nodes of modules holding a member parameter (symbolic
+        tracing keeps ``nn`` layers whole), rerouted to ``torch.func.functional_call`` with
+        those views. Returns the number of reads rerouted.
         """
         if self.owner is None:
             return 0
@@ -226,21 +288,46 @@ class ParamStore:
         graph = self.gm.graph
         n = 0
         for node in list(graph.nodes):
+            if node.op == "call_module":
+                n += self._rebind_module_call(node, where)
+                continue
             t = self._owned_tensor(node)
             if t is None or id(t) not in where or node.target.startswith(OWNER_ATTR + "."):
                 continue
-            name, how, m = where[id(t)]
-            if not hasattr(self.gm, OWNER_ATTR):
-                self.gm.add_submodule(OWNER_ATTR, self.owner)
-            with graph.inserting_after(node):
-                flat = graph.get_attr(f"{OWNER_ATTR}.{name}")
-            with graph.inserting_after(flat):
-                if how == "stack":
-                    view = graph.call_function(operator.getitem, (flat, m.index))
-                else:
-                    view = graph.call_method("narrow", (flat, 0, m.offset, m.tensor.shape[0]))
+            with graph.inserting_before(node):
+                view = self._flat_view(where[id(t)])
             view.meta.update(node.meta)
             node.replace_all_uses_with(view)
             graph.erase_node(node)
             n += 1
         return n
+
+    def _flat_view(self, loc: tuple[str, str, _Member]) -> fx.Node:
+        """Nodes reading one member as a view of its flat tensor (at the insert point)."""
+        name, how, m = loc
+        if not hasattr(self.gm, OWNER_ATTR):
+            self.gm.add_submodule(OWNER_ATTR, self.owner)
+        graph = self.gm.graph
+        flat = graph.get_attr(f"{OWNER_ATTR}.{name}")
+        if how == "stack":
+            return graph.call_function(operator.getitem, (flat, m.index))
+        return graph.call_method("narrow", (flat, 0, m.offset, m.tensor.shape[0]))
+
+    def _rebind_module_call(self, node: fx.Node, where: dict[int, tuple[str, str, _Member]]) -> int:
+        mod = self.gm.get_submodule(node.target)
+        held = [
+            (name, p) for name, p in mod.named_parameters(remove_duplicate=False) if id(p) in where
+        ]
+        if not held:
+            return 0
+        graph = self.gm.graph
+        with graph.inserting_before(node):
+            module = graph.get_attr(node.target)
+            views = {name: self._flat_view(where[id(p)]) for name, p in held}
+            call = graph.call_function(
+                torch.func.functional_call, (module, views, tuple(node.args), dict(node.kwargs))
+            )
+        call.meta.update(node.meta)
+        node.replace_all_uses_with(call)
+        graph.erase_node(node)
+        return 1

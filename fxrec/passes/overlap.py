@@ -49,33 +49,12 @@ import torch
 import torch.fx as fx
 
 from fxrec.graph import meta
-from fxrec.graph.effects import has_side_effects, mutates_input
+from fxrec.graph.effects import comm_kind, has_side_effects, mutates_input
 from fxrec.graph.rule import LocalRule, RewriteContext, register
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["OverlapComm", "comm_kind", "compute_cost", "schedule"]
-
-_FUNCTIONAL_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd")
-_WAIT_NAMES = ("wait_tensor",)
-
-
-def comm_kind(node: fx.Node) -> str | None:
-    """``"request"``, ``"wait"`` or None for a node that is no collective."""
-    if node.op != "call_function":
-        return None
-    target = node.target
-    tag = getattr(target, "_fxrec_comm", None)
-    if tag in ("request", "wait"):
-        return tag
-    ns = getattr(target, "namespace", None)
-    if ns is None and isinstance(target, torch._ops.OpOverloadPacket):
-        ns = target._qualified_op_name.split("::")[0]
-    if ns in _FUNCTIONAL_NAMESPACES:
-        name = getattr(target, "__name__", "")
-        base = name.split(".")[0]
-        return "wait" if base in _WAIT_NAMES else "request"
-    return None
 
 
 def _is_effect(node: fx.Node) -> bool:

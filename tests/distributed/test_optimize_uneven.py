@@ -1,0 +1,47 @@
+"""``fxrec.optimize`` on a sharded model whose ranks change local batch size at different steps.
+
+A new input signature normally builds (and runs, to check) a new graph. On one rank alone its
+collectives would meet no peer; graphs that communicate are therefore reused for inputs of the
+same structure, and every rank keeps calling the same collectives in the same order.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fxrec
+from tests.distributed.launch import run_ranks
+from tests.distributed.test_overlap_pass import tiny_sharded_dlrm
+
+
+def _uneven_steps(rank: int, world: int) -> None:
+    from tests.distributed.test_sharded_ebc import make_batch
+
+    ebc, model = tiny_sharded_dlrm(("t0",))
+    first = make_batch(ebc, rank, 4, False)
+    opt = fxrec.optimize(model, (torch.randn(4, 6), first), rules=["default", "overlap_comm"])
+    sizes = [4, 3, 3, 5] if rank == 0 else [4, 4, 3, 2]  # rank 0 changes size a step earlier
+    for step, b in enumerate(sizes):
+        kjt = make_batch(ebc, rank + 10 * step, b, False)
+        dense = torch.randn(b, 6, generator=torch.Generator().manual_seed(step))
+        want = model(dense, kjt)
+        want.sum().backward()
+        grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+        model.zero_grad()
+        got = opt(dense, kjt)
+        got.sum().backward()
+        torch.testing.assert_close(got, want)
+        for k, g in opt.fxrec_fused.grads(model).items():
+            torch.testing.assert_close(g, grads[k], msg=k)
+        model.zero_grad()
+    opt.eval()  # every rank switches together: one new graph each
+    with torch.no_grad():
+        kjt = make_batch(ebc, rank, 2 + rank, False)
+        dense = torch.randn(2 + rank, 6)
+        torch.testing.assert_close(opt(dense, kjt), model.eval()(dense, kjt))
+
+
+@pytest.mark.distributed
+def test_ranks_changing_batch_size_at_different_steps() -> None:
+    run_ranks(2, _uneven_steps, deadline=120.0)

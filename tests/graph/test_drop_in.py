@@ -1,0 +1,256 @@
+"""fxrec.optimize used as users use a module: training at other shapes, reused and tied modules,
+submodules in their own mode, frozen parameters, copies, optional and keyword arguments.
+
+Every test trains or differentiates the optimized module next to an untouched copy of the
+model and compares outputs, gradients (by the original parameter names) and parameters.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import fxrec
+
+D = 8
+TOL = 1e-4  # fused and separate LayerNorms sum in different orders; gradients add 5000 rows
+
+
+class Norms(nn.Module):
+    """The seed pattern: slices -> LayerNorm -> tanh -> cat (fused at small batches)."""
+
+    def __init__(self, n: int = 4, untraceable: bool = False) -> None:
+        super().__init__()
+        self.norms = nn.ModuleList(nn.LayerNorm(D) for _ in range(n))
+        self.untraceable = untraceable
+        with torch.no_grad():
+            for m in self.norms:
+                m.weight.normal_()
+                m.bias.normal_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.untraceable and x.dim() > 1:  # a branch on a shape: dynamo captures it
+            x = x + 0
+        n = len(self.norms)
+        return torch.cat([torch.tanh(self.norms[i](x[:, D * i : D * i + D])) for i in range(n)], 1)
+
+
+class Reused(Norms):
+    """One fused LayerNorm is called again on another input."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        outs = [torch.tanh(norm(x[:, D * i : D * i + D])) for i, norm in enumerate(self.norms)]
+        return torch.cat([*outs, self.norms[1](outs[0] + outs[3])], 1)
+
+
+class TiedHead(nn.Module):
+    """Parallel Linears, the first one's weight shared with a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lins = nn.ModuleList(nn.Linear(D, D) for _ in range(3))
+        self.head = nn.Linear(D, D)
+        self.head.weight = self.lins[0].weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        outs = [torch.relu(lin(x[:, D * i : D * i + D])) for i, lin in enumerate(self.lins)]
+        return torch.cat([*outs, self.head(outs[1])], 1)
+
+
+def _grads(opt: fxrec.OptimizedModule, model: nn.Module) -> dict[str, torch.Tensor | None]:
+    return opt.fxrec_fused.grads(model)
+
+
+def _step(module: nn.Module, params: list[torch.Tensor], x: torch.Tensor, w: torch.Tensor) -> None:
+    sgd = torch.optim.SGD(params, lr=0.1)
+    sgd.zero_grad()
+    (module(x) * w).sum().backward()
+    sgd.step()
+
+
+def _same_training(
+    model: nn.Module, ref: nn.Module, opt: fxrec.OptimizedModule, batches: list[int], width: int
+) -> None:
+    """Per batch: same output, same gradient per original parameter, same parameters after an
+    SGD step over ``opt.parameters()``."""
+    trainable = list(opt.parameters())
+    for b in batches:
+        x = torch.randn(b, width)
+        w = torch.randn_like(ref(x))
+        for p in [*ref.parameters(), *trainable]:
+            p.grad = None
+        out, expected = opt(x), ref(x)
+        torch.testing.assert_close(out, expected, rtol=TOL, atol=TOL)
+        (out * w).sum().backward()
+        (expected * w).sum().backward()
+        got = _grads(opt, model)
+        for name, p in ref.named_parameters():
+            assert got[name] is not None, name
+            torch.testing.assert_close(got[name], p.grad, rtol=TOL, atol=TOL, msg=name)
+        _step(opt, trainable, x, w)
+        _step(ref, list(ref.parameters()), x, w)
+        for (name, a), b_ in zip(model.state_dict().items(), ref.state_dict().values()):
+            torch.testing.assert_close(a, b_, rtol=TOL, atol=TOL, msg=name)
+
+
+@pytest.mark.parametrize("untraceable", [False, True], ids=["symbolic", "dynamo"])
+def test_training_at_a_size_where_fusion_is_refused(untraceable: bool) -> None:
+    """Optimized at batch 8 (fused, laid out), then trained at 5000, where the CPU cost model
+    leaves the LayerNorms as written: their gradients must still reach the flat parameters."""
+    model = Norms(untraceable=untraceable)
+    ref = copy.deepcopy(model)
+    opt = fxrec.optimize(model, (torch.randn(8, 4 * D),))
+    assert next(n for n, _ in opt.named_parameters()).startswith("fxrec_fused.")
+    _same_training(model, ref, opt, [5000, 8, 5000], 4 * D)
+
+
+@pytest.mark.parametrize("cls", [Reused, TiedHead])
+def test_fused_module_used_again_elsewhere(cls: type[nn.Module]) -> None:
+    model = cls()
+    ref = copy.deepcopy(model)
+    opt = fxrec.optimize(model, (torch.randn(6, 4 * D),))
+    assert any(n.startswith("fxrec_fused.") for n, _ in opt.named_parameters())
+    _same_training(model, ref, opt, [6, 6], 4 * D)
+
+
+def test_layouts_are_made_once() -> None:
+    """Graphs built after the first never lay parameters out again: ``parameters()`` stays
+    what the optimizer was built on, in whatever order shapes arrive."""
+    model = Norms()
+    ref = copy.deepcopy(model)
+    opt = fxrec.optimize(model, keep_params=False)  # laid out at the first call
+    opt(torch.randn(5000, 4 * D))  # not fused at this size: nothing laid out
+    before = [id(p) for p in opt.parameters()]
+    _same_training(model, ref, opt, [8, 5000, 8], 4 * D)
+    assert [id(p) for p in opt.parameters()] == before
+
+
+def test_lazy_optimize_keeps_the_parameters_an_optimizer_holds() -> None:
+    """Without example inputs the optimizer usually exists before the first call: the
+    parameters stay the model's own (``keep_params`` defaults to True there)."""
+    model = Norms()
+    ref = copy.deepcopy(model)
+    opt = fxrec.optimize(model)
+    assert [id(p) for p in opt.parameters()] == [id(p) for p in model.parameters()]
+    _same_training(model, ref, opt, [8, 8], 4 * D)
+    assert [id(p) for p in opt.parameters()] == [id(p) for p in model.parameters()]
+
+
+class BatchNormTowers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bns = nn.ModuleList(nn.BatchNorm1d(D) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([bn(x[:, D * i : D * i + D]) for i, bn in enumerate(self.bns)], 1)
+
+
+@pytest.mark.parametrize("guards", [False, True])
+def test_submodules_put_in_eval_mode_alone(guards: bool) -> None:
+    """Freezing BatchNorm statistics (``bn.eval()`` inside a training model) is honoured."""
+    model = BatchNormTowers()
+    ref = copy.deepcopy(model)
+    opt = fxrec.optimize(model, (torch.randn(16, 3 * D),), guards=guards)
+    for m in (model, ref):
+        m.train()
+        m.bns[1].eval()
+    for _ in range(2):
+        x = torch.randn(16, 3 * D)
+        torch.testing.assert_close(opt(x), ref(x))
+    for a, b in zip(model.buffers(), ref.buffers()):
+        torch.testing.assert_close(a, b)
+    assert int(model.bns[1].num_batches_tracked) == 0
+
+
+def test_freezing_laid_out_parameters_after_optimize() -> None:
+    model = Norms()
+    ref = copy.deepcopy(model)
+    opt = fxrec.optimize(model, (torch.randn(8, 4 * D),))
+    for m in (model, ref):
+        for norm in m.norms:
+            norm.weight.requires_grad_(False)
+    x = torch.randn(8, 4 * D)
+    before = [n.weight.detach().clone() for n in model.norms]
+    _step(opt, [p for p in opt.parameters() if p.requires_grad], x, torch.randn(8, 4 * D))
+    _step(ref, [p for p in ref.parameters() if p.requires_grad], x, torch.randn(8, 4 * D))
+    assert all(torch.equal(b, n.weight) for b, n in zip(before, model.norms))
+    assert _grads(opt, model)["norms.0.weight"] is None
+    # Freezing only some of the parameters laid out together cannot be expressed: refused.
+    model.norms[0].bias.requires_grad_(False)
+    with pytest.raises(RuntimeError, match="requires_grad=False and others True"):
+        opt(x)
+
+
+@pytest.mark.parametrize("untraceable", [False, True], ids=["symbolic", "dynamo"])
+def test_deepcopy_trains_independently(untraceable: bool) -> None:
+    model = Norms(untraceable=untraceable)
+    opt = fxrec.optimize(model, (torch.randn(8, 4 * D),))
+    twin = copy.deepcopy(opt)
+    ref = copy.deepcopy(model)
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    _same_training(twin.model, ref, twin, [8, 8], 4 * D)
+    assert all(torch.equal(original[k], v) for k, v in model.state_dict().items())
+    assert {id(p) for p in twin.parameters()}.isdisjoint(id(p) for p in opt.parameters())
+
+
+class Optional(Norms):
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        out = super().forward(x)
+        if y is not None:
+            out = out + y
+        return out
+
+
+class KeywordOnly(Norms):
+    def forward(self, x: torch.Tensor, *, scale: float = 1.0) -> torch.Tensor:
+        return super().forward(x) * scale
+
+
+class VarKeyword(Norms):
+    def forward(self, x: torch.Tensor, **extra: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + extra.get("bias", 0.0)
+
+
+class AfterDefault(Norms):
+    def forward(
+        self, x: torch.Tensor, y: torch.Tensor | None = None, *, z: torch.Tensor
+    ) -> torch.Tensor:
+        out = super().forward(x) * z
+        return out if y is None else out + y
+
+
+@pytest.mark.parametrize(
+    ("cls", "example", "calls"),
+    [
+        (Optional, ("x",), [("x",), ("x", "y")]),
+        (Optional, ("x", "y"), [("x",), ("x", "y"), ("x", {"y": "y"})]),
+        (KeywordOnly, ("x",), [("x",), ("x", {"scale": 2.0})]),
+        (VarKeyword, ("x",), [("x",), ("x", {"bias": "y"})]),
+        (AfterDefault, None, [("x", {"z": "z"}), ("x", "y", {"z": "z"})]),
+    ],
+)
+def test_optional_and_keyword_arguments(cls: type[nn.Module], example, calls) -> None:  # type: ignore[no-untyped-def]
+    model = cls()
+    ref = copy.deepcopy(model)
+    tensors = {"x": torch.randn(6, 4 * D), "y": torch.randn(6, 4 * D), "z": torch.randn(4 * D)}
+
+    def resolve(spec: tuple) -> tuple[tuple, dict]:
+        kwargs = spec[-1] if isinstance(spec[-1], dict) else {}
+        args = spec[:-1] if kwargs else spec
+        pick = lambda v: tensors[v] if isinstance(v, str) else v  # noqa: E731
+        return tuple(map(pick, args)), {k: pick(v) for k, v in kwargs.items()}
+
+    opt = fxrec.optimize(model, None if example is None else resolve(example)[0])
+    for spec in calls:
+        args, kwargs = resolve(spec)
+        torch.testing.assert_close(opt(*args, **kwargs), ref(*args, **kwargs))
+
+
+def test_model_errors_come_from_the_model() -> None:
+    """Inputs the model itself rejects raise the model's error, not a graph's."""
+    opt = fxrec.optimize(Norms(), (torch.randn(4, 4 * D),))
+    with pytest.raises(RuntimeError, match=r"normalized_shape|size"):
+        opt(torch.randn(4, 3))
