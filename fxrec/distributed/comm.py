@@ -5,8 +5,9 @@ Every collective fxrec issues goes through here so that
 * a peer that died or never arrived becomes a :class:`CommError` naming the operation and
   the configured timeout, raised on the surviving ranks within that timeout (gloo and NCCL
   enforce the process group's ``timeout``; we only translate their messages);
-* the time a rank spends *blocked* on communication (inside a wait, or in a synchronous
-  exchange) is accumulated in :data:`stats`, which is what the overlap benchmark reports.
+* the time a rank spends *blocked* on communication in the forward pass (inside a wait, or
+  in a synchronous exchange) is accumulated in :data:`stats`, which is what the overlap
+  benchmark reports (the backward all-to-all is only translated: :func:`translated`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ __all__ = [
     "group_name",
     "init_distributed",
     "stats",
+    "translated",
 ]
 
 DEFAULT_TIMEOUT_S = 60.0
@@ -71,6 +73,20 @@ def blocked(kind: str, what: str) -> Iterator[None]:
     """Time a blocking communication step and turn backend failures into :class:`CommError`."""
     t0 = time.perf_counter()
     try:
+        with translated(what):
+            yield
+    finally:
+        stats.add(kind, time.perf_counter() - t0)
+
+
+@contextlib.contextmanager
+def translated(what: str) -> Iterator[None]:
+    """Turn backend failures of ``what`` into :class:`CommError`, without timing it.
+
+    For the backward all-to-all: it is the same whatever the forward's schedule, so it stays
+    out of :data:`stats`, which measures the forward waits that overlap can hide.
+    """
+    try:
         yield
     except CommError:
         raise
@@ -81,8 +97,6 @@ def blocked(kind: str, what: str) -> Iterator[None]:
             f"this step, this is raised after the process-group timeout "
             f"({_configured_timeout:g} s); check the other ranks' logs."
         ) from exc
-    finally:
-        stats.add(kind, time.perf_counter() - t0)
 
 
 def default_backend() -> str:

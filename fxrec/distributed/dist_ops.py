@@ -16,8 +16,10 @@ Every wait runs inside :func:`fxrec.distributed.comm.blocked`: a peer that never
 makes it raise :class:`CommError` after the process group's timeout.
 
 Pooled embeddings (output dist): the traceable functional collective
-``torch.ops._c10d_functional.all_to_all_single`` + ``wait_tensor``. Its autograd formula is
-the reverse all-to-all (reversed split sizes), so gradients travel back to the owners.
+``torch.ops._c10d_functional.all_to_all_single`` + ``wait_tensor``. Its gradient is the
+reverse all-to-all (reversed split sizes), so gradients travel back to the owners; run
+eagerly, that backward exchange also raises :class:`CommError` on a failure
+(:func:`~fxrec.distributed.comm.translated`).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.fx
 
-from fxrec.distributed.comm import CommError, blocked
+from fxrec.distributed.comm import CommError, blocked, translated
 from fxrec.sparse import KeyedJaggedTensor, KeyedTensor
 
 __all__ = [
@@ -270,11 +272,46 @@ def request_pooled(
         # table (or only frozen ones): otherwise the others wait for it forever.
         flat = flat.detach().requires_grad_()
     try:
-        return torch.ops._c10d_functional.all_to_all_single(
-            flat, out_splits, in_splits, handle.layout.group_name
-        )
+        return _exchange_pooled(flat, out_splits, in_splits, handle.layout.group_name)
     except (RuntimeError, dist.DistError) as exc:
         raise CommError(f"rank {me}: could not start the pooled all-to-all: {exc}") from exc
+
+
+def _exchange_pooled(
+    flat: torch.Tensor, out_splits: list[int], in_splits: list[int], group: str
+) -> torch.Tensor:
+    """The functional all-to-all; run eagerly, its backward raises :class:`CommError`.
+
+    Under ``torch.compile`` the op itself is kept: the graph shows the collective (for the
+    overlap rule) and the compiled backward is the op's own autograd formula.
+    """
+    if torch.compiler.is_compiling():
+        return torch.ops._c10d_functional.all_to_all_single(flat, out_splits, in_splits, group)
+    return _PooledAllToAll.apply(flat, out_splits, in_splits, group)
+
+
+class _PooledAllToAll(torch.autograd.Function):
+    """The pooled all-to-all whose backward (the reverse all-to-all) raises CommError.
+
+    The op's registered backward waits outside fxrec: a peer that stalls in backward would
+    surface as the backend's bare RuntimeError, with no operation or timeout named.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any, flat: torch.Tensor, out_splits: list[int], in_splits: list[int], group: str
+    ) -> torch.Tensor:
+        ctx.splits = (out_splits, in_splits, group)
+        return torch.ops._c10d_functional.all_to_all_single(flat, out_splits, in_splits, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        out_splits, in_splits, group = ctx.splits
+        with translated("pooled-embedding gradient all-to-all (backward)"):
+            sent = torch.ops._c10d_functional.all_to_all_single(
+                grad.contiguous(), in_splits, out_splits, group
+            )
+            return torch.ops._c10d_functional.wait_tensor(sent), None, None, None
 
 
 @torch.fx.wrap
@@ -313,7 +350,8 @@ def assemble_pooled(
     else:
         unit, index = order
         units = wide.view(b, wide.shape[1] // unit, unit)
-        values = units.index_select(1, index.to(wide.device)).view(b, -1)
+        # Explicit width: a rank whose local batch is 0 has nothing to infer -1 from.
+        values = units.index_select(1, index.to(wide.device)).view(b, index.numel() * unit)
     return KeyedTensor(list(keys), list(dims), values)
 
 

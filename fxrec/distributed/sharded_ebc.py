@@ -156,6 +156,17 @@ def _rows_of(
     return value.narrow(0, lo, hi - lo)
 
 
+def _size_mismatch(key: str, got: torch.Size, whole: torch.Size, block: torch.Size) -> str:
+    """``load_state_dict``'s size-mismatch message, with this rank's block for a row-wise table."""
+    msg = (
+        f"size mismatch for {key}: copying a param with shape {tuple(got)} from checkpoint, the "
+        f"shape in current model is {whole}"
+    )
+    if whole != block:
+        msg += f" (row-wise: this rank holds {block}; load the whole table or this block)"
+    return msg + "."
+
+
 class ShardedEmbeddingBagCollection(nn.Module):
     """Sharded ``EmbeddingBagCollection`` over a process group: table-wise, and row-wise for
     the tables the plan names in ``row_wise``.
@@ -229,10 +240,13 @@ class ShardedEmbeddingBagCollection(nn.Module):
             self._group_name,
         )
         self._row_blocks = {k: v for k, v in row_blocks.items() if v[1] == rank}
+        self._whole_rows = {t.name: t.num_embeddings for t in specs if t.name in plan.row_wise}
         mine = [t.name for t in wire_plan.tables_of(rank, wire_specs)]
         self.embedding_bags_local = _local_collection(ebc, mine, self._row_blocks) if mine else None
         self.register_state_dict_post_hook(ShardedEmbeddingBagCollection._rename_saved)
         self.register_load_state_dict_pre_hook(ShardedEmbeddingBagCollection._route_loaded)
+        self.register_load_state_dict_post_hook(ShardedEmbeddingBagCollection._drop_reported)
+        self._mismatched: list[str] = []  # local keys refused by the last load (see hooks)
         logger.info(
             "rank %d holds tables %s (%d of %d rows*dim)",
             rank,
@@ -251,23 +265,63 @@ class ShardedEmbeddingBagCollection(nn.Module):
             source = _source_key(key[len(inner) :], self._row_blocks)
             state_dict[prefix + source] = state_dict.pop(key)
 
-    def _route_loaded(self, state_dict: Any, prefix: str, *_: Any) -> None:
-        """The unsharded keys -> this rank's tables; other ranks' tables are dropped."""
+    def _route_loaded(
+        self,
+        state_dict: Any,
+        prefix: str,
+        local_metadata: Any,
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        """The unsharded keys -> this rank's tables; other ranks' tables are dropped.
+
+        A tensor that is neither this rank's shape nor a whole row-wise table is reported as
+        the unsharded collection reports it (a size mismatch under its own key), not cut.
+        """
         inner = prefix + "embedding_bags_local."
-        local = self.embedding_bags_local
-        mine: dict[str, tuple[str, torch.Size]] = {}
-        if local is not None:
-            for key, value in local.state_dict().items():
-                mine[_source_key(key, self._row_blocks)] = (key, value.shape)
+        mine = self._loadable()
+        self._mismatched.clear()
         for key in [k for k in state_dict if k.startswith(prefix + "embedding_bags.")]:
             value = state_dict.pop(key)
             target = mine.get(key[len(prefix) :])
             if target is None:
                 continue  # a table another rank holds
             local_key, shape = target
-            if value.shape != shape:  # a whole row-wise table: this rank's rows
+            whole = self._whole_shape(local_key, shape)
+            if value.shape == whole and value.shape != shape:  # this rank's rows of the table
                 value = _rows_of(value, local_key, self._row_blocks)
+            elif value.shape != shape:
+                error_msgs.append(_size_mismatch(key, value.shape, whole, shape))
+                self._mismatched.append(inner + local_key)  # reported: not also "missing"
+                continue
             state_dict[inner + local_key] = value
+
+    def _loadable(self) -> dict[str, tuple[str, torch.Size]]:
+        """This rank's state: unsharded key -> (local key, shape)."""
+        local = self.embedding_bags_local
+        if local is None:
+            return {}
+        return {
+            _source_key(key, self._row_blocks): (key, value.shape)
+            for key, value in local.state_dict().items()
+        }
+
+    def _whole_shape(self, local_key: str, shape: torch.Size) -> torch.Size:
+        """The unsharded table's shape for a local key (``shape`` unless row-wise)."""
+        shard = _shard_of(local_key, self._row_blocks)
+        if shard is None:
+            return shape
+        rows = self._whole_rows[self._row_blocks[shard][0]]
+        return torch.Size((rows, *shape[1:]))
+
+    def _drop_reported(self, incompatible: Any) -> None:
+        """Size mismatches already have their error; don't list them as missing keys too."""
+        for key in self._mismatched:
+            if key in incompatible.missing_keys:
+                incompatible.missing_keys.remove(key)
+        self._mismatched.clear()
 
     def row_range(self, table: str) -> tuple[int, int] | None:
         """The rows ``[first, end)`` of row-wise ``table`` this rank holds (None otherwise)."""

@@ -4,6 +4,8 @@ sum is associated per block, then across blocks)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -265,6 +267,41 @@ def _row_wise_errors(rank: int, world: int) -> None:
 @pytest.mark.distributed
 def test_row_wise_errors() -> None:
     run_ranks(2, _row_wise_errors)
+
+
+def _wrong_sized_checkpoint(rank: int, world: int) -> None:
+    ebc = _ebc(False)
+    sharded = shard(ebc, row_wise=["t0"])
+    model = torch.nn.ModuleDict({"sparse": sharded})
+    before = {k: v.clone() for k, v in sharded.state_dict().items()}
+    lo, hi = sharded.row_range("t0")
+    whole = {f"sparse.{k}": v for k, v in ebc.state_dict().items()}
+    wrong = [
+        ("sparse.embedding_bags.t0.weight", (12, 4), r"torch.Size\(\[11, 4\]\) \(row-wise"),
+        ("sparse.embedding_bags.t0.weight", (hi - lo + 1, 4), r"torch.Size\(\[11, 4\]\)"),
+        ("sparse.embedding_bags.t1.weight", (7, 3), r"torch.Size\(\[7, 8\]\)\.$"),
+    ]
+    for key, shape, current in wrong:
+        if key.endswith("t1.weight") and "embedding_bags.t1.weight" not in before:
+            continue  # the other rank holds t1
+        bad = dict(whole, **{key: torch.randn(shape)})
+        for strict in (True, False):
+            with torch.no_grad():
+                for v in model.parameters():
+                    v.zero_()
+            # as the unsharded collection: a size mismatch under the checkpoint's key
+            with pytest.raises(RuntimeError, match="size mismatch") as info:
+                model.load_state_dict(bad, strict=strict)
+            message = str(info.value)
+            assert f"size mismatch for {key}: copying a param with shape {shape}" in message
+            assert re.search(current, message, re.M) and "Missing key" not in message
+            for k, v in sharded.state_dict().items():  # the refused table is not written
+                assert torch.equal(v, torch.zeros_like(v) if key.endswith(k) else before[k])
+
+
+@pytest.mark.distributed
+def test_wrong_sized_checkpoint_is_a_size_mismatch() -> None:
+    run_ranks(2, _wrong_sized_checkpoint)
 
 
 def _compiled_matches(rank: int, world: int, row_wise: tuple[str, ...]) -> None:

@@ -64,6 +64,25 @@ def test_async_count_exchange_times_out() -> None:
     run_ranks(2, _absent_at_counts, timeout=TIMEOUT, deadline=30)
 
 
+def _absent_in_backward(rank: int, world: int) -> None:
+    from tests.distributed.test_sharded_ebc import make_batch, make_ebc
+
+    ebc = make_ebc(n_tables=2)
+    sharded = shard(ebc)
+    out = sharded(make_batch(ebc, rank, 3, False)).values()  # both ranks finish the forward
+    if rank == 1:
+        time.sleep(TIMEOUT + 3)  # alive but never sends its gradients back
+        return
+    t0 = time.monotonic()
+    with pytest.raises(CommError, match=r"rank 0: pooled-embedding gradient .* \(1\.5 s\)"):
+        out.sum().backward()  # the reverse all-to-all, run by autograd
+    assert time.monotonic() - t0 < TIMEOUT + 2.0
+
+
+def test_stall_in_backward_times_out() -> None:
+    run_ranks(2, _absent_in_backward, timeout=TIMEOUT, deadline=30)
+
+
 def test_rendezvous_without_peers_times_out() -> None:
     t0 = time.monotonic()
     with pytest.raises(CommError, match="never arrived"):
