@@ -117,7 +117,12 @@ class OptimizedModule(nn.Module):
         if runner is None:
             runner = self._build(key, args, kwargs)
         self.fxrec_fused.sync_requires_grad()
-        out = runner(*args, **kwargs)
+        try:
+            out = runner(*args, **kwargs)
+        except Exception as exc:
+            if isinstance(runner, _DynamoRunner):  # dynamo reports bad inputs as its own errors
+                _raise_if_model_fails(self.model, args, kwargs, cause=exc)
+            raise
         self.fxrec_fused.freeze()  # the first call's layouts are the ones the optimizer holds
         return out
 
@@ -127,7 +132,19 @@ class OptimizedModule(nn.Module):
     def _bind(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Arguments as ``forward`` declares them: positional ones by position, defaults
         filled in; keyword-only ones (and ``**kwargs``) stay keywords."""
-        bound = inspect.signature(self.model.forward).bind(*args, **kwargs)
+        sig = inspect.signature(self.model.forward)
+        try:
+            bound = sig.bind(*args, **kwargs)
+        except TypeError as exc:
+            name = f"{type(self.model).__name__}.forward()"
+            params = sig.parameters
+            if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+                unknown = [k for k in kwargs if k not in params]
+                if unknown:
+                    raise TypeError(
+                        f"{name} got an unexpected keyword argument {unknown[0]!r}"
+                    ) from None
+            raise TypeError(f"{name}: {exc}") from None
         bound.apply_defaults()
         return bound.args, bound.kwargs
 
@@ -405,10 +422,15 @@ class _TraceDoesNotRun(RuntimeError):
     that tracing took one way, e.g. ``if y is not None``)."""
 
 
-def _raise_if_model_fails(model: nn.Module, args: tuple, kwargs: dict) -> None:
+def _raise_if_model_fails(
+    model: nn.Module, args: tuple, kwargs: dict, cause: BaseException | None = None
+) -> None:
     """Raise the model's own error for inputs it rejects, rather than a graph's."""
-    with _preserved_state(model), torch.no_grad():
-        model(*args, **kwargs)
+    try:
+        with _preserved_state(model), torch.no_grad():
+            model(*args, **kwargs)
+    except Exception as exc:
+        raise exc.with_traceback(None) from cause
 
 
 def _copy_graph(g: fx.Graph) -> fx.Graph:

@@ -249,8 +249,16 @@ def test_optional_and_keyword_arguments(cls: type[nn.Module], example, calls) ->
         torch.testing.assert_close(opt(*args, **kwargs), ref(*args, **kwargs))
 
 
-def test_model_errors_come_from_the_model() -> None:
-    """Inputs the model itself rejects raise the model's error, not a graph's."""
-    opt = fxrec.optimize(Norms(), (torch.randn(4, 4 * D),))
-    with pytest.raises(RuntimeError, match=r"normalized_shape|size"):
-        opt(torch.randn(4, 3))
+@pytest.mark.parametrize("untraceable", [False, True], ids=["symbolic", "dynamo"])
+def test_model_errors_come_from_the_model(untraceable: bool) -> None:
+    """Inputs the model itself rejects raise the model's error, not a graph's or dynamo's."""
+    model = Norms(untraceable=untraceable)
+    opt = fxrec.optimize(model, (torch.randn(4, 4 * D),))
+    for bad in (torch.randn(4, 3), torch.ones(4, 4 * D, dtype=torch.long)):
+        with pytest.raises(Exception) as theirs:
+            model(bad)
+        with pytest.raises(type(theirs.value)) as ours:
+            opt(bad)
+        assert str(ours.value) == str(theirs.value)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'y'"):
+        opt(torch.randn(4, 4 * D), y=1)
