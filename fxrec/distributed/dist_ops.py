@@ -41,7 +41,10 @@ __all__ = [
     "IdsHandle",
     "IdsSplits",
     "assemble_pooled",
+    "ABSENT",
+    "absent_ranks",
     "key_index",
+    "request_absent",
     "request_counts",
     "request_ids",
     "request_pooled",
@@ -69,10 +72,11 @@ class IdsLayout:
 
 @dataclass
 class CountsHandle:
-    """An id-count exchange in flight; keeps the ids (owner-major) for :func:`send_ids`."""
+    """An id-count exchange in flight; keeps the ids (owner-major) for :func:`send_ids`
+    (``kjt`` None: this rank takes part without a batch, see :func:`request_absent`)."""
 
     layout: IdsLayout
-    kjt: KeyedJaggedTensor
+    kjt: KeyedJaggedTensor | None
     work: Any
     send: torch.Tensor  # must outlive the exchange
     recv: torch.Tensor
@@ -85,7 +89,7 @@ class IdsSplits:
     """Split sizes of the ids all-to-all, known once every rank's counts arrived."""
 
     layout: IdsLayout
-    kjt: KeyedJaggedTensor
+    kjt: KeyedJaggedTensor | None
     ids_to: list[int]  # ids this rank sends to each owner
     ids_from: list[int]  # ids this rank receives from each source
     batch_sizes: list[int]  # rows each source rank sends (its local batch)
@@ -162,6 +166,31 @@ def request_counts(kjt: KeyedJaggedTensor, layout: IdsLayout) -> CountsHandle:
     return CountsHandle(layout, kjt, work, send, recv, ids_to, batch)
 
 
+ABSENT = -1  # the batch size a rank announces when it has no batch for this exchange
+
+
+def request_absent(layout: IdsLayout) -> CountsHandle:
+    """Take part in an id-count exchange without a batch (returns at once).
+
+    A rank whose next batch failed to load, or whose data ended, still has to meet the other
+    ranks' exchange; announcing :data:`ABSENT` tells them to skip the batch (see
+    :func:`absent_ranks`) instead of sending ids no one will look up.
+    """
+    pg = _pg(layout.group_name)
+    send = torch.tensor([[0, ABSENT]] * pg.size(), dtype=torch.int64).flatten()
+    recv = torch.empty_like(send)
+    try:
+        work = dist.all_to_all_single(recv, send, group=pg, async_op=True)
+    except (RuntimeError, dist.DistError) as exc:
+        raise CommError(f"rank {pg.rank()}: could not start the id-count exchange: {exc}") from exc
+    return CountsHandle(layout, None, work, send, recv, [0] * pg.size(), ABSENT)
+
+
+def absent_ranks(splits: IdsSplits) -> list[int]:
+    """The ranks that announced no batch in this exchange (:func:`request_absent`)."""
+    return [r for r, b in enumerate(splits.batch_sizes) if b == ABSENT]
+
+
 @torch.fx.wrap
 def wait_counts(handle: CountsHandle) -> IdsSplits:
     """Wait for every rank's counts: the split sizes of the ids all-to-all."""
@@ -184,6 +213,12 @@ def send_ids(splits: IdsSplits) -> IdsHandle:
     layout, kjt = splits.layout, splits.kjt
     pg = _pg(layout.group_name)
     me = pg.rank()
+    absent = absent_ranks(splits)
+    if absent or kjt is None:
+        raise CommError(
+            f"rank {me}: rank(s) {absent or [me]} have no batch for this exchange (their data "
+            "loader failed or ended); no ids are sent, so every rank skips this batch."
+        )
     ids_from, ids_to = splits.ids_from, splits.ids_to
     len_to = [n * splits.batch for n in layout.keys_per_rank]
     len_from = [layout.keys_per_rank[me] * b for b in splits.batch_sizes]

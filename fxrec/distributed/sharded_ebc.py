@@ -350,6 +350,10 @@ class ShardedEmbeddingBagCollection(nn.Module):
         kjt = as_kjt(features)
         return kjt, dist_ops.request_counts(self._route(kjt), self._layout)
 
+    def request_absent(self) -> dist_ops.CountsHandle:
+        """Meet the other ranks' id-count exchange with no batch (they learn to skip it)."""
+        return dist_ops.request_absent(self._layout)
+
     def finish(self, local: Any, handle: dist_ops.IdsHandle, kjt: Any) -> KeyedTensor:
         """Lookup of the received ids, pooled all-to-all back, this rank's ``KeyedTensor``."""
         pooled = _lookup(self.embedding_bags_local, local, self._dims_per_rank[self.rank])

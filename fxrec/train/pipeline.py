@@ -359,6 +359,8 @@ class TrainPipelineSparseDist(TrainPipelineBase):
                     self._input_dist.start(self._next[1])
                 except Exception as err:  # a bad next batch fails as itself, not as batch i
                     self._fail_next(err)
+            else:  # failed or no more data: the other ranks must hear it, and skip it too
+                self._input_dist.start_absent()
 
         return self._train(index, batch, after_forward=start_next)
 

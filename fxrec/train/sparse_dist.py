@@ -14,7 +14,9 @@ the middle of batch i: :meth:`InputDist.start` (between forward and backward) st
 id-count exchange, which travels during the backward; :meth:`InputDist.advance` (after the
 backward) reads the counts and starts the ids all-to-all, which travels during the optimizer
 step. Every rank runs the same program, so every rank issues the collectives in the same
-order.
+order. A rank whose next batch failed to load (or whose data ended) still takes part in the
+count exchange, announcing that it has no batch (:meth:`InputDist.start_absent`); the other
+ranks then skip that batch too, raising for it, rather than sending ids no rank would use.
 """
 
 from __future__ import annotations
@@ -108,22 +110,50 @@ class InputDist:
             return
         sparse = batch.sparse
         parts = list(sparse) if isinstance(sparse, (tuple, list)) else [sparse]
+        error: Exception | None = None
         for m in self.enabled:
-            stale = self._pending.pop(id(m), None)
-            if stale is not None:
-                _drain(stale[1])
-            features = parts[self._where[id(m)]]
-            self._pending[id(m)] = (features, m.request_counts(features))
+            self._drop_stale(m)
+            if error is None:
+                features = parts[self._where[id(m)]]
+                try:
+                    self._pending[id(m)] = (features, m.request_counts(features))
+                    continue
+                except Exception as exc:  # a bad batch: the peers still get their exchange
+                    error = exc
+            self._pending[id(m)] = (None, (None, m.request_absent()))
+        if error is not None:
+            raise error
+
+    def start_absent(self) -> None:
+        """This rank has no next batch (its loader failed or ended): take part in the
+        id-count exchanges anyway, announcing it, so the other ranks skip that batch too
+        instead of waiting for ids that never come (call where :meth:`start` would be)."""
+        self._finish_probe()
+        for m in self.enabled:
+            self._drop_stale(m)
+            self._pending[id(m)] = (None, (None, m.request_absent()))
+
+    def _drop_stale(self, m: nn.Module) -> None:
+        stale = self._pending.pop(id(m), None)
+        if stale is not None:
+            _drain(stale[1])
 
     def advance(self) -> None:
         """The counts have arrived: start sending the ids (call after the backward; the ids
-        travel while the optimizer steps). Every rank calls it at the same point."""
+        travel while the optimizer steps). Every rank calls it at the same point.
+
+        Raises :class:`~fxrec.distributed.CommError` when a rank announced no batch; no ids
+        are sent then, on any rank.
+        """
         from fxrec.distributed import dist_ops
 
         for key, (features, (kjt, handle)) in list(self._pending.items()):
             if isinstance(handle, dist_ops.CountsHandle):
-                ids = dist_ops.send_ids(dist_ops.wait_counts(handle))
-                self._pending[key] = (features, (kjt, ids))
+                splits = dist_ops.wait_counts(handle)
+                if kjt is None:  # this rank announced no batch: nothing to send
+                    del self._pending[key]
+                    continue
+                self._pending[key] = (features, (kjt, dist_ops.send_ids(splits)))
 
     def discard(self) -> None:
         """Drop ids requested for a batch that will not run (wait so buffers are released)."""

@@ -92,3 +92,66 @@ def test_two_ranks_same_losses_and_parameters(input_type, row_wise):
     from tests.distributed.launch import run_ranks
 
     run_ranks(2, _pipelines_agree, input_type, row_wise, timeout=30.0, deadline=100.0)
+
+
+class _Loader:
+    """``batches``, failing at index ``fail`` and ending after ``end`` batches."""
+
+    def __init__(self, batches: list, fail: int | None, end: int) -> None:
+        self.batches, self.fail, self.end, self.i = batches, fail, end, 0
+
+    def __iter__(self) -> _Loader:
+        return self
+
+    def __next__(self):  # type: ignore[no-untyped-def]
+        i = self.i
+        self.i += 1
+        if i >= self.end:
+            raise StopIteration
+        if i == self.fail:
+            raise OSError(f"could not read batch {i}")
+        return self.batches[i]
+
+
+def _one_rank_loses_a_batch(rank: int, world: int) -> None:
+    """Rank 1's loader fails at batch 2 and ends one batch early. Every rank skips batch 2
+    (rank 0 hears it in the id-count exchange) and rank 0 its last; the losses and
+    parameters are those of the base pipeline fed only the batches every rank trained on."""
+    from fxrec.distributed import CommError
+    from fxrec.train import PipelineError
+
+    n = 6
+    batches = make_batches(KEYS, n, input_type="kjt", weighted=True, seed=20 + rank)
+    model, opt = _build()
+    events: list[tuple[int, str]] = []
+    losses: list[float] = []
+    with TrainPipelineSparseDist(model, opt) as pipe:
+        it = _Loader(batches, 2 if rank == 1 else None, n - 1 if rank == 1 else n)
+        while True:
+            try:
+                losses.append(float(pipe.progress(it)))
+            except StopIteration:
+                break
+            except PipelineError as exc:
+                events.append((exc.batch_index, type(exc.__cause__).__name__))
+                if rank == 0:
+                    assert isinstance(exc.__cause__, CommError)
+                    assert "rank(s) [1] have no batch" in str(exc.__cause__)
+    expected = [(2, "OSError")] if rank == 1 else [(2, "CommError"), (5, "CommError")]
+    assert events == expected
+    ref_model, ref_opt = _build()
+    kept = [batches[i] for i in range(n - 1) if i != 2]
+    with TrainPipelineBase(ref_model, ref_opt) as base:
+        want = [float(base.progress(iter([b]))) for b in kept]
+    assert losses == pytest.approx(want, rel=1e-6, abs=1e-7)
+    got, ref = params(model), params(ref_model)
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not _have_collection(), reason="needs fxrec.nn.EmbeddingBagCollection")
+def test_a_batch_missing_on_one_rank_is_skipped_on_every_rank():
+    from tests.distributed.launch import run_ranks
+
+    run_ranks(2, _one_rank_loses_a_batch, timeout=10.0, deadline=100.0)
