@@ -14,8 +14,11 @@ forward/backward/step is raised in the caller as :class:`PipelineError` with the
 index (0-based, counting every batch drawn). That batch is skipped; calling
 :meth:`~TrainPipelineBase.progress` again continues with the next batch, and
 :meth:`~TrainPipelineBase.close` (or leaving a ``with`` block) stops the background thread.
-No call waits forever: queue operations poll a stop flag, and collectives are bounded by
-the process group's timeout.
+With a sharded collection, :class:`TrainPipelineSparseDist` keeps the ranks in step when
+only one rank loses batch i+1 (its loader fails or its data ends): the other ranks learn it
+in the id-count exchange and raise :class:`PipelineError` for that batch too. No call waits
+forever: queue operations poll a stop flag, and collectives are bounded by the process
+group's timeout.
 """
 
 from __future__ import annotations
