@@ -15,6 +15,9 @@ qualifies; everything else falls back to pure torch, with the same results:
 * dense gradients only (``sparse=True`` uses torch's sparse embedding-bag gradient);
 * not while dynamo/export trace: the op has no fake (meta) kernel on CPU;
 * only on devices where the op has a kernel.
+
+The op's CPU kernel refuses an id outside its own table (:func:`pooled_lookup` names the
+member in an ``IndexError``); on other devices :func:`check_on_device` asserts first.
 """
 
 from __future__ import annotations
@@ -28,6 +31,9 @@ from collections.abc import Sequence
 
 import torch
 
+from fxrec.nn.functional import out_of_range_error
+from fxrec.sparse.validation import validation_enabled
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -37,6 +43,8 @@ __all__ = [
     "FbgemmGroupMeta",
     "lookup",
     "pooled_lookup",
+    "check_on_device",
+    "out_of_range",
 ]
 
 _OP = "fbgemm::dense_embedding_codegen_lookup_function"
@@ -129,6 +137,7 @@ def lookup(
         meta.total_hash_size_bits,
         mode,
         per_sample_weights,
+        check_ids=False,  # the collection checks every id before any lookup
     )
 
 
@@ -144,12 +153,16 @@ def pooled_lookup(
     hash_bits: int,
     mode: str,
     per_sample_weights: torch.Tensor | None = None,
+    names: Sequence[str] = (),
+    check_ids: bool = True,
 ) -> torch.Tensor:
     """:func:`lookup` with the group's description as tensors and ints.
 
     This is the form a graph node calls (graph modules hold tensors and constants, not
     :class:`FbgemmGroupMeta`); ``weights_offsets`` is each member's first element in the
     flattened ``weight``, ``hash_size_cumsum`` each member's first row then the total rows.
+    ``names`` name the members in the error of an id outside its table; ``check_ids=False``
+    skips the device check for callers that validated the ids already.
     """
     pooling = _POOLING[mode]
     if per_sample_weights is not None and mode == "mean":
@@ -161,6 +174,42 @@ def pooled_lookup(
         ids = ids.long()
     if offsets.dtype != ids.dtype:
         offsets = offsets.to(ids.dtype)
+    if check_ids and ids.device.type != "cpu" and validation_enabled():
+        check_on_device(hash_size_cumsum, ids, offsets, names)
+    try:
+        return _lookup_op(
+            weight,
+            weights_offsets,
+            d_offsets,
+            hash_size_cumsum,
+            ids,
+            offsets,
+            total_dim,
+            dim,
+            hash_bits,
+            pooling,
+            per_sample_weights,
+        )
+    except RuntimeError as exc:
+        err = out_of_range(hash_size_cumsum, ids, offsets, names)
+        if err is None:
+            raise
+        raise err from exc
+
+
+def _lookup_op(
+    weight: torch.Tensor,
+    weights_offsets: torch.Tensor,
+    d_offsets: torch.Tensor,
+    hash_size_cumsum: torch.Tensor,
+    ids: torch.Tensor,
+    offsets: torch.Tensor,
+    total_dim: int,
+    dim: int,
+    hash_bits: int,
+    pooling: int,
+    per_sample_weights: torch.Tensor | None,
+) -> torch.Tensor:
     return torch.ops.fbgemm.dense_embedding_codegen_lookup_function(
         dev_weights=weight.view(-1),
         weights_offsets=weights_offsets,
@@ -176,3 +225,48 @@ def pooled_lookup(
         feature_requires_grad=None,
         output_dtype=0,
     )
+
+
+def check_on_device(
+    hash_size_cumsum: torch.Tensor,
+    ids: torch.Tensor,
+    offsets: torch.Tensor,
+    names: Sequence[str] = (),
+) -> None:
+    """Assert on the device, without a sync, that every id lies in its own table.
+
+    Not fbgemm's ``bounds_check_indices``: it lets ``-1`` through (its mark of a pruned row),
+    which the separate lookup refuses.
+    """
+    member, rows = _tables_of_ids(hash_size_cumsum, ids, offsets)
+    ok = torch.logical_and(ids >= 0, ids < rows[member]).all()
+    listed = ", ".join(names) or f"{rows.numel()} tables"
+    torch._assert_async(ok, f"embedding id out of range in a table-batched lookup of {listed}")
+
+
+def out_of_range(
+    hash_size_cumsum: torch.Tensor,
+    ids: torch.Tensor,
+    offsets: torch.Tensor,
+    names: Sequence[str],
+) -> IndexError | None:
+    """The error naming the first id outside its own table, or None if there is none."""
+    member, rows = _tables_of_ids(hash_size_cumsum, ids, offsets)
+    bad = torch.nonzero((ids < 0) | (ids >= rows[member]))
+    if bad.numel() == 0:
+        return None
+    pos = int(bad[0, 0])
+    m = int(member[pos])
+    name = names[m] if m < len(names) else f"member {m} of a table-batched lookup"
+    return out_of_range_error(name, int(ids[pos]), int(rows[m]))
+
+
+def _tables_of_ids(
+    hash_size_cumsum: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each id's table and each table's rows: bags are ``(table, row)``-major, ``B`` per table."""
+    rows = hash_size_cumsum[1:] - hash_size_cumsum[:-1]
+    bags = offsets.numel() - 1
+    per_bag = torch.arange(bags, device=ids.device) // max(bags // max(rows.numel(), 1), 1)
+    lengths = (offsets[1:] - offsets[:-1]).long()
+    return torch.repeat_interleave(per_bag, lengths, output_size=ids.numel()), rows

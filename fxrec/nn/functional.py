@@ -22,16 +22,24 @@ Two entry points:
 * :func:`grouped_embedding_bag` for N separate lookups shaped like ``nn.EmbeddingBag`` calls
   (2-D ``[B, L]`` ids, or 1-D ids with offsets) that a graph rewrite merges into one call; it
   returns the N pooled outputs.
+
+Ids of a grouped lookup are checked per table (:func:`check_member_ids`,
+:func:`check_jagged_ids`): in one weight, an id past its own table would silently read the
+next table's row where the separate lookup raised.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
+import re
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 
 from fxrec.nn.tracing import is_symbolic_tracing, leaf_function_call
+from fxrec.sparse.validation import is_tracing, validation_enabled
 
 __all__ = [
     "embedding_bag_grouped",
@@ -39,6 +47,9 @@ __all__ = [
     "ids_dtype",
     "shift_ids",
     "offsets_from_lengths",
+    "check_member_ids",
+    "check_jagged_ids",
+    "out_of_range_error",
 ]
 
 _MODES = ("sum", "mean", "max")
@@ -79,6 +90,132 @@ def shift_ids(
     """
     shift = torch.repeat_interleave(row_offsets, counts, output_size=ids.numel())
     return ids + shift.to(ids.dtype)
+
+
+# The assert message lists this many lookups' ranges, then how many more there are.
+_LISTED_RANGES = 8
+
+
+def check_member_ids(
+    ids: torch.Tensor,
+    bounds: torch.Tensor,
+    dim: int,
+    names: tuple[str, ...],
+    sizes: tuple[int, ...],
+    *,
+    compiled: bool = False,
+) -> torch.Tensor:
+    """``ids`` unchanged, once member ``i``'s ids (index ``i`` of ``dim``) lie in ``[0, sizes[i])``.
+
+    A fused lookup reads one laid-out weight, where an id past its own table would read the
+    next table's row instead of raising as the separate lookup does. ``bounds`` is ``[2, N]``
+    like ``ids``: each member's first and last valid id (0 and ``sizes[i] - 1``); ``names``
+    name the members in errors. :func:`_how_to_check` says when and how the check runs.
+    """
+    if is_symbolic_tracing():
+        node = leaf_function_call(
+            check_member_ids, (ids, bounds, dim, names, sizes), {"compiled": compiled}
+        )
+        if node is not None:
+            return node  # one graph node, as the rewrite wrote it
+    shape = [1] * ids.dim()
+    shape[dim] = len(sizes)
+    low, high = bounds[0].view(shape), bounds[1].view(shape)
+    pos = _first_outside(ids, low, high, names, sizes, compiled)
+    if pos is not None:
+        member = pos[dim]
+        raise out_of_range_error(names[member], int(ids[tuple(pos)]), sizes[member])
+    return ids
+
+
+def check_jagged_ids(
+    ids: torch.Tensor,
+    bounds: torch.Tensor,
+    counts: torch.Tensor,
+    names: tuple[str, ...],
+    sizes: tuple[int, ...],
+    *,
+    compiled: bool = False,
+) -> torch.Tensor:
+    """:func:`check_member_ids` for 1-D ids, member ``i`` owning the ``i``-th run of ``counts[i]``.
+
+    ``bounds`` is ``[2, ids.numel()]``: each id's first and last valid id (0 and its table's
+    size - 1); ``counts`` is read only to name the member of a bad id.
+    """
+    if is_symbolic_tracing():
+        node = leaf_function_call(
+            check_jagged_ids, (ids, bounds, counts, names, sizes), {"compiled": compiled}
+        )
+        if node is not None:
+            return node
+    pos = _first_outside(ids, bounds[0], bounds[1], names, sizes, compiled)
+    if pos is not None:
+        ends = list(itertools.accumulate(int(c) for c in counts.tolist()))
+        member = bisect.bisect_right(ends, pos[0])
+        raise out_of_range_error(names[member], int(ids[pos[0]]), sizes[member])
+    return ids
+
+
+def _first_outside(
+    ids: torch.Tensor,
+    low: torch.Tensor,
+    high: torch.Tensor,
+    names: Sequence[str],
+    sizes: Sequence[int],
+    compiled: bool,
+) -> list[int] | None:
+    """The position of an id outside ``[low, high]`` if the host check finds one, else None."""
+    how = _how_to_check(ids, compiled)
+    if how == "assert":
+        ok = torch.logical_and(ids >= low, ids <= high).all()
+        torch._assert_async(ok, _ranges_message(names, sizes))
+    if how != "host":
+        return None
+    inside = torch.clamp(ids, low, high)
+    if torch.equal(inside, ids):
+        return None
+    return torch.nonzero(inside != ids)[0].tolist()
+
+
+def _how_to_check(ids: torch.Tensor, compiled: bool) -> str:
+    """``"host"``, ``"assert"`` or ``"off"``: how a grouped lookup checks its ids now.
+
+    Eagerly on CPU: a ``clamp`` into the bounds and an ``equal`` with the ids (two kernels,
+    the one host read in ``equal``), then an ``IndexError`` naming the member;
+    ``fxrec.sparse.set_validation(False)`` turns it off, as it does the other input checks.
+    Graphs compiled further (``compiled``), tracers and other devices assert on the device
+    instead: ``torch._assert_async`` reads nothing back, and Inductor keeps it in its
+    generated kernels, which raise a ``RuntimeError`` listing each member's range. Compiled
+    graphs always check: the switch is read at run time, after tracing.
+    """
+    if compiled or is_tracing():
+        return "assert"
+    if not validation_enabled():
+        return "off"
+    return "host" if type(ids) is torch.Tensor and ids.device.type == "cpu" else "assert"
+
+
+def _ranges_message(names: Sequence[str], sizes: Sequence[int]) -> str:
+    """The device assert's message: plain characters only (Inductor pastes it into C++)."""
+    shown = [
+        f"{re.sub(r'[^A-Za-z0-9_.]', '_', n)} 0..{s - 1}"
+        for n, s in zip(names[:_LISTED_RANGES], sizes)
+    ]
+    more = len(names) - len(shown)
+    listed = ", ".join(shown) + (f" and {more} more" if more > 0 else "")
+    return (
+        f"embedding id out of range in a fused lookup; valid ids per lookup: {listed}. "
+        f"Fix the ids fed to that lookup, or enlarge its table"
+    )
+
+
+def out_of_range_error(name: str, value: int, rows: int) -> IndexError:
+    """The error of an id outside its table, naming the lookup and its valid range."""
+    return IndexError(
+        f"embedding lookup {name!r}: id {value} is out of range for its table of {rows} "
+        f"rows (valid ids: 0..{rows - 1}); fix the ids fed to this lookup, or enlarge the "
+        f"table's num_embeddings."
+    )
 
 
 def ids_dtype(ids: torch.Tensor, num_rows: int) -> torch.dtype:

@@ -28,9 +28,17 @@ each member's ids are shifted by its table's first row. The fused forward is:
   torch's (:func:`_tbe_usable`). The ids are the members' ids flattened into one ``cat``,
   read from before fused ``.long()`` casts when there were any (:func:`_uncast_ids`);
 * 1-D ids with per-member offsets (``EmbeddingBag``): one ``cat`` of ids, one
-  ``repeat_interleave`` of the table offsets by each member's id count (read at run time,
-  never baked), one ``add``, bag offsets shifted by each member's start (one ``stack`` + one
-  ``add``), ONE ``embedding_bag``, split per member.
+  ``repeat_interleave`` of each member's table offset and valid id range by its id count
+  (read at run time, never baked), one ``add``, bag offsets shifted by each member's start
+  (one ``stack`` + one ``add``), ONE ``embedding_bag``, split per member.
+
+Every id is checked against its own table before the shift (:func:`_checked_ids`): in the
+laid-out weight, an id past its table would otherwise read the next table's row where the
+separate lookup raised. Eagerly on CPU that is two kernels (a ``clamp`` into each table's
+range, an ``equal`` with the ids) and one host read, raising an ``IndexError`` naming the
+member; compiled graphs and other devices assert on the device
+(:func:`fxrec.nn.functional.check_member_ids`). fbgemm's CPU table-batched lookup checks
+each table's ids itself.
 
 No size taken from the input (batch, number of ids) is baked into the rewritten graph.
 Tables that cannot be laid out once (``keep_params``, graph inputs) would be concatenated
@@ -44,6 +52,7 @@ import itertools
 import logging
 import math
 import operator
+import re
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -58,6 +67,7 @@ from fxrec.graph.effects import written_in_place
 from fxrec.graph.pieces import piece_of, split_sizes
 from fxrec.graph.refs import combined, gather_cost_reason, param_info
 from fxrec.graph.rule import HorizontalRule, RewriteContext, register
+from fxrec.nn.functional import check_jagged_ids, check_member_ids
 from fxrec.passes.pointwise import unary_op
 
 logger = logging.getLogger(__name__)
@@ -67,8 +77,9 @@ __all__ = ["Lookup", "lookup_call", "FuseParallelLookups"]
 EMBEDDING_FUNCTIONS = {F.embedding}
 EMBEDDING_BAG_FUNCTIONS = {F.embedding_bag}
 Ref = Any
-# Jagged ids need 7 fixed kernels (forward) against one per member; backward saves N-1.
-MIN_JAGGED_MEMBERS = 5
+# Jagged ids need 9 fixed kernels (forward, the id check's 2 included) against one per
+# member; backward saves N-1: fewer kernels in all from 6 members.
+MIN_JAGGED_MEMBERS = 6
 
 
 @dataclass(frozen=True)
@@ -317,11 +328,11 @@ def _side_by_side(ctx: RewriteContext, xs: Sequence[fx.Node], order: list[int] |
 
 def _offsets_buffer(
     ctx: RewriteContext,
-    values: list[int],
+    values: list[int] | list[list[int]],
     like: meta.TensorInfo,
     dtype: torch.dtype | None = None,
 ) -> fx.Node:
-    """A constant tensor of table offsets, held by the graph module (not the model's state)."""
+    """A constant tensor of table offsets (or sizes), held by the graph module, not the model."""
     i = 0
     while hasattr(ctx.gm, f"fxrec_table_offsets{i}"):
         i += 1
@@ -334,6 +345,52 @@ def _offsets_buffer(
     node = ctx.graph.get_attr(name)
     meta.set_info(node, getattr(ctx.gm, name))
     return node
+
+
+def _member_name(node: fx.Node, lk: Lookup) -> str:
+    """How an error names a member: its module path, else its weight's, else the node's name."""
+    if node.op == "call_module":
+        return str(node.target)
+    w = lk.weight
+    target = w if isinstance(w, str) else w.target if w.op == "get_attr" else None
+    if isinstance(target, str):
+        return target.removesuffix(".weight")
+    stack = node.meta.get("nn_module_stack")
+    if stack:  # dynamo's path of the module that made the call: ``L['self'].embs.0``
+        path = str(list(stack.values())[-1][0])
+        return re.sub(r"^L\['[^']*'\]\.?", "", path) or node.name
+    return node.name
+
+
+def _names(group: Sequence[fx.Node], lks: Sequence[Lookup]) -> tuple[str, ...]:
+    return tuple(_member_name(n, lk) for n, lk in zip(group, lks))
+
+
+def _checked_ids(
+    ctx: RewriteContext,
+    ids: fx.Node,
+    dim: int,
+    group: Sequence[fx.Node],
+    lks: Sequence[Lookup],
+) -> fx.Node:
+    """``ids`` (member ``i`` at index ``i`` of ``dim``) after each is checked against its table."""
+    info = ctx.info(ids)
+    assert info is not None
+    sizes = tuple(_rows(ctx, lks))
+    bounds = _offsets_buffer(ctx, [[0] * len(sizes), [r - 1 for r in sizes]], info)
+    node = ctx.call(
+        check_member_ids,
+        (ids, bounds, dim, _names(group, lks), sizes),
+        {"compiled": not ctx.runs_eagerly},
+        infer=False,
+    )
+    meta.set_info(node, info)
+    return node
+
+
+def _rows(ctx: RewriteContext, lks: Sequence[Lookup]) -> list[int]:
+    """Each member's table size."""
+    return [param_info(ctx, lk.weight).shape[0] for lk in lks]  # type: ignore[union-attr]
 
 
 @register
@@ -358,8 +415,8 @@ class FuseParallelLookups(HorizontalRule):
         ii, wi = ctx.info(lk.ids), param_info(ctx, lk.weight)
         if ii is None or wi is None or not ii.static or wi.ndim != 2 or ii.dtype.is_floating_point:
             return None
-        if ii.ndim == 0 or ii.dtype not in (torch.int64, torch.int32):
-            return None
+        if ii.ndim == 0 or ii.dtype not in (torch.int64, torch.int32) or wi.shape[0] == 0:
+            return None  # (a table of no rows has no id to check against)
         oi = None
         if lk.offsets is not None:
             oinfo = ctx.info(lk.offsets)
@@ -395,8 +452,9 @@ class FuseParallelLookups(HorizontalRule):
         lks: list[Lookup] = [lookup_call(n, ctx) for n in group]  # type: ignore[misc]
         if lks[0].offsets is not None and len(group) < MIN_JAGGED_MEMBERS:
             return (
-                f"{len(group)} lookups on jagged ids: the fused form costs 7 kernels "
-                f"(cat, repeat_interleave, add, stack, add, lookup), worth it from {MIN_JAGGED_MEMBERS}"
+                f"{len(group)} lookups on jagged ids: the fused form costs 9 kernels (cat, "
+                f"repeat_interleave, index_select, id check x2, add, stack, add, lookup), worth "
+                f"it from {MIN_JAGGED_MEMBERS}"
             )
         tables, _ = _unique([lk.weight for lk in lks])
         total_rows = sum(param_info(ctx, t).shape[0] for t in tables)  # type: ignore[union-attr]
@@ -465,7 +523,8 @@ class FuseParallelLookups(HorizontalRule):
         offs = _offsets_buffer(ctx, starts, xi)
         shape = [1] * xi.ndim
         shape[ids.dim] = n
-        x = ctx.call(torch.add, (ids.node, ctx.call_method("view", (offs, *shape))))
+        checked = _checked_ids(ctx, ids.node, ids.dim, group, lks)
+        x = ctx.call(torch.add, (checked, ctx.call_method("view", (offs, *shape))))
         if not lks[0].bag:
             y = self._lookup(ctx, lks[0], x, w)
             parts = ctx.call(torch.unbind, (y, ids.dim))
@@ -533,6 +592,7 @@ class FuseParallelLookups(HorizontalRule):
                 int(math.log2(float(rows)) + 1),
                 lks[0].mode,
                 psw,
+                _names(group, lks),
             ),
             infer=False,
         )
@@ -551,13 +611,23 @@ class FuseParallelLookups(HorizontalRule):
         assert ii is not None
         sizes = [ctx.graph.call_function(torch.Tensor.size, (lk.ids, 0)) for lk in lks]
         counts = ctx.call(torch.tensor, (sizes,), {"device": ii.device}, infer=False)
-        offs = _offsets_buffer(ctx, starts, ii)
+        rows = _rows(ctx, lks)
+        # Each id's table offset and valid range (0, rows - 1) in one repeat.
+        table = _offsets_buffer(ctx, [starts, [0] * n, [r - 1 for r in rows]], ii)
         total = ctx.graph.call_function(torch.Tensor.size, (ids, 0))
         per_id = ctx.call(
-            torch.repeat_interleave, (offs, counts), {"output_size": total}, infer=False
+            torch.repeat_interleave, (table, counts, 1), {"output_size": total}, infer=False
         )
-        meta.set_info(per_id, torch.empty(ii.shape, dtype=ii.dtype, device=ii.device))
-        x = ctx.call(torch.add, (ids, per_id))
+        meta.set_info(per_id, torch.empty(3, *ii.shape, dtype=ii.dtype, device=ii.device))
+        bounds = ctx.call(operator.getitem, (per_id, slice(1, None)))
+        checked = ctx.call(
+            check_jagged_ids,
+            (ids, bounds, counts, _names(group, lks), tuple(rows)),
+            {"compiled": not ctx.runs_eagerly},
+            infer=False,
+        )
+        meta.set_info(checked, ii)
+        x = ctx.call(torch.add, (checked, ctx.call(operator.getitem, (per_id, 0))))
         # Bag offsets: member i's bags start after the ids of members 0..i-1.
         firsts = [0]
         for s in sizes[:-1]:

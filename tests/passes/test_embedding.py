@@ -66,12 +66,17 @@ def _ids(n: int, *trailing: int) -> Any:
     return lambda b: (torch.randint(0, 10, (b, n, *trailing), dtype=torch.int32),)
 
 
-def test_embeddings_with_casts_are_three_kernels() -> None:
+# The per-table id check of a fused lookup, eagerly on CPU: a clamp into each table's range
+# and an equal with the ids (one host read), whatever the number of tables.
+ID_CHECK = {"aten::clamp": 1, "aten::equal": 1}
+
+
+def test_embeddings_with_casts_are_three_kernels_and_an_id_check() -> None:
     opt = check_equivalent(lambda: Tables(6), _ids(6), rules=RULES)
     assert fired(opt, "parallel_embedding") == 1
     ops = forward_ops(opt, *_ids(6)(4))
     # one cast, one offset add, one lookup; the model's cat of the pieces became a view
-    assert ops == {"aten::_to_copy": 1, "aten::add": 1, "aten::embedding": 1}
+    assert ops == {"aten::_to_copy": 1, "aten::add": 1, "aten::embedding": 1, **ID_CHECK}
 
 
 @pytest.mark.parametrize("model", [Tables, ColumnTables])
@@ -96,7 +101,8 @@ def test_embedding_bags_2d(mode: str, bag_len: int) -> None:
     opt = check_equivalent(lambda: Tables(5, bag=True, mode=mode), _ids(5, bag_len), rules=RULES)
     assert fired(opt, "parallel_embedding") == 1
     ops = forward_ops(opt, *_ids(5, bag_len)(4))
-    lookups = {k: v for k, v in ops.items() if k not in ("aten::_to_copy", "aten::add")}
+    assert {k: ops[k] for k in ID_CHECK} == ID_CHECK
+    lookups = {k: v for k, v in ops.items() if k not in ("aten::_to_copy", "aten::add", *ID_CHECK)}
     if mode == "max" or bag_len > 8:  # max pooling and long bags keep embedding_bag
         assert lookups == {"aten::_embedding_bag": 1, "aten::arange": 1}  # 2-D bags: offsets
     elif bag_len == 1:  # a bag of one id is its row
