@@ -117,6 +117,30 @@ def fill_example_values(gm: fx.GraphModule) -> int:
     return filled
 
 
+def _members_through_flat(
+    fn: Callable[..., Any], inputs: Sequence[Any], owner: FusedParameters | None
+) -> Callable[..., Any]:
+    """``fn``, called with laid-out member parameters replaced by views of their flat tensor.
+
+    Parameters stay graph inputs in graphs dynamo compiles for a submodule's own frame (a
+    graph break in a hook), which it reuses for every sibling module; their gradients must
+    still reach the flat parameters the optimizer holds.
+    """
+    positions = [j for j, t in enumerate(inputs) if isinstance(t, nn.Parameter)]
+    if owner is None or not positions:
+        return fn
+
+    def call(*args: Any) -> Any:
+        args_list = list(args)
+        for j in positions:
+            view = owner.view_of(args_list[j])
+            if view is not None:
+                args_list[j] = view
+        return fn(*args_list)
+
+    return call
+
+
 def compile_backend(
     inner: str | Backend = "inductor",
     *,
@@ -162,7 +186,7 @@ def compile_backend(
             return inner_fn(gm, list(example_inputs))
         kept_inputs = [example_inputs[i] for i in keep]
         record = GraphRecord(
-            inner_fn(prune_attrs(gm), kept_inputs),
+            _members_through_flat(inner_fn(prune_attrs(gm), kept_inputs), kept_inputs, owner),
             [sources[i] for i in keep],  # placeholders and example inputs line up
         )
         graphs.append(record)

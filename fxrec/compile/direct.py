@@ -104,13 +104,27 @@ def graph_sources(gm: fx.GraphModule) -> list[Any]:
     return out
 
 
-def _path(source: Any, params: Sequence[str]) -> tuple[int, list[tuple[str, Any]]] | None:
-    """(argument position, [("item"|"attr", key), ...]) of a Source rooted at an argument."""
+# Sources dynamo wraps around a module it inlines (``self.norms`` read as a module).
+_MODULE_MARKERS = (
+    "NNModuleSource",
+    "UnspecializedNNModuleSource",
+    "UnspecializedBuiltinNNModuleSource",
+)
+
+
+def source_path(
+    source: Any, params: Sequence[str], cells: bool = False
+) -> tuple[int, list[tuple[str, Any]]] | None:
+    """(argument position, [("item"|"attr", key), ...]) of a Source rooted at an argument.
+
+    ``cells``: also an argument held in a cell (read by a comprehension or closure), whose
+    contents the function body could rebind.
+    """
     steps: list[tuple[str, Any]] = []
     while True:
         kind = type(source).__name__
         if kind == "LocalSource":
-            if getattr(source, "is_derefed_cell_contents", False):
+            if getattr(source, "is_derefed_cell_contents", False) and not cells:
                 return None
             name = source.local_name
             if name not in params:
@@ -123,9 +137,9 @@ def _path(source: Any, params: Sequence[str]) -> tuple[int, list[tuple[str, Any]
             if type(key) not in (str, int):
                 return None
             steps.append(("item", key))
-        elif kind == "AttrSource":
+        elif kind in ("AttrSource", "UnspecializedParamBufferSource"):
             steps.append(("attr", source.member))
-        else:
+        elif kind not in _MODULE_MARKERS:  # markers wrap a module's source, reading nothing
             return None
         source = source.base
 
@@ -140,7 +154,7 @@ def input_paths(
     """
     exprs = []
     for source in sources:
-        path = _path(source, params) if source is not None else None
+        path = source_path(source, params) if source is not None else None
         if path is None:
             return None
         pos, steps = path

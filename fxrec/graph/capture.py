@@ -23,6 +23,8 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from fxrec.graph.effects import has_hooks
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -57,6 +59,12 @@ def capture_symbolic(model: nn.Module) -> fx.GraphModule:
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
         # The trace takes them as one dict placeholder, which calls cannot line up with.
         raise CaptureError("symbolic tracing skipped: forward takes **kwargs")
+    hooked = _hooked_traced_through(model)
+    if hooked is not None:
+        raise CaptureError(
+            f"symbolic tracing skipped: {hooked or 'the model'} has hooks, which tracing "
+            "through it would drop"
+        )
     tracer = FxrecTracer()
     try:
         graph = tracer.trace(model)
@@ -64,6 +72,19 @@ def capture_symbolic(model: nn.Module) -> fx.GraphModule:
         return fx.GraphModule(tracer.root, graph, type(model).__name__)
     except Exception as exc:  # tracing fails in many, unpredictable ways
         raise CaptureError(f"symbolic tracing failed: {type(exc).__name__}: {exc}") from exc
+
+
+def _hooked_traced_through(model: nn.Module) -> str | None:
+    """The name of a module with hooks that tracing would inline (not a leaf), else None.
+
+    Leaves stay ``call_module`` nodes, whose calls run their hooks (rules leave such calls
+    alone); modules traced through lose them, so the model goes to dynamo, which keeps them.
+    """
+    tracer = FxrecTracer()
+    for name, m in model.named_modules():
+        if has_hooks(m) and (m is model or not tracer.is_leaf_module(m, name)):
+            return name
+    return None
 
 
 def param_names(model: nn.Module) -> dict[int, str]:
@@ -95,7 +116,7 @@ def lift_params_to_attrs(
     first = next((n for n in graph.nodes if n.op != "placeholder"), None)
     for i, (ph, val) in enumerate(zip(placeholders, example_inputs)):
         qual = names.get(id(val)) if isinstance(val, torch.Tensor) else None
-        if qual is None:
+        if qual is None or not _reached_from_model(ph, val, model):
             keep.append(i)
             continue
         with graph.inserting_before(first):
@@ -126,6 +147,33 @@ def prune_attrs(gm: fx.GraphModule) -> fx.GraphModule:
     out = fx.GraphModule(gm, graph, type(gm).__name__)
     out.meta.update(gm.meta)
     return out
+
+
+def _reached_from_model(ph: fx.Node, val: torch.Tensor, model: nn.Module) -> bool:
+    """Does dynamo read this input through ``model`` itself (``self.<path>``)?
+
+    Dynamo passes modules' parameters as inputs so that one graph serves every instance of
+    a module class: a graph compiled for a submodule's own frame (a graph break in a hook)
+    runs again for its siblings. Only an input read from the model's own frame is always
+    this very tensor, and can become a ``get_attr``; an input without a recorded source is
+    taken by identity.
+    """
+    from fxrec.compile.direct import source_path
+
+    grapharg = ph.meta.get("grapharg")
+    source = getattr(grapharg, "source", None)
+    if source is None:
+        return True
+    path = source_path(source, ["self"], cells=True)
+    if path is None:
+        return False
+    obj: Any = model
+    try:
+        for kind, key in path[1]:
+            obj = getattr(obj, key) if kind == "attr" else obj[key]
+    except (AttributeError, KeyError, IndexError, TypeError):
+        return False
+    return obj is val
 
 
 def _resolve(obj: Any, target: str) -> Any:

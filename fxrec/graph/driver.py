@@ -24,7 +24,7 @@ from typing import Any
 
 import torch.fx as fx
 
-from fxrec.graph.effects import has_side_effects
+from fxrec.graph.effects import has_hooks, has_side_effects
 from fxrec.graph.rule import HorizontalRule, LocalRule, RewriteContext, Rule
 from fxrec.graph.search import Reachability, _is_ordered, independent_sets, stable_toposort
 
@@ -37,7 +37,19 @@ _NO_OP: Any = object()
 
 
 def _candidates(rule: Rule, graph: fx.Graph) -> list[fx.Node]:
-    """The nodes ``rule`` can use at all (:attr:`Rule.candidates`), in graph order.
+    """The nodes ``rule`` can use at all (:attr:`Rule.candidates`), in graph order; calls
+    of modules with hooks are never candidates (:func:`~fxrec.graph.effects.has_hooks`)."""
+    nodes = _spec_candidates(rule, graph)
+    root = graph.owning_module
+    if root is None or not any(has_hooks(m) for m in root.modules()):
+        return nodes
+    return [
+        n for n in nodes if n.op != "call_module" or not has_hooks(root.get_submodule(n.target))
+    ]
+
+
+def _spec_candidates(rule: Rule, graph: fx.Graph) -> list[fx.Node]:
+    """Candidates by :attr:`Rule.candidates`, in graph order.
 
     Read from FX's index of nodes by (op, target) where the spec names targets, so a rule
     about ``torch.cat`` does not visit every node of a 10,000-node graph each pass.

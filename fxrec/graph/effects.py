@@ -11,7 +11,14 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["comm_kind", "has_side_effects", "mutates_input", "is_random", "written_in_place"]
+__all__ = [
+    "comm_kind",
+    "has_hooks",
+    "has_side_effects",
+    "mutates_input",
+    "is_random",
+    "written_in_place",
+]
 
 _STATEFUL_FUNCTIONS = {F.batch_norm, torch.batch_norm, F.instance_norm}
 _RANDOM_FUNCTIONS = {
@@ -44,6 +51,20 @@ def _owner_module(node: fx.Node) -> nn.Module | None:
         return node.graph.owning_module.get_submodule(node.target)
     except AttributeError:
         return None
+
+
+def has_hooks(module: nn.Module) -> bool:
+    """Does calling ``module`` run hooks (forward, forward-pre or backward)?
+
+    A rule that replaces such a module's call would silently drop them: rules leave these
+    calls as written.
+    """
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or module._backward_hooks
+        or module._backward_pre_hooks
+    )
 
 
 def mutates_input(node: fx.Node) -> bool:

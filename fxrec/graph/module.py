@@ -14,10 +14,12 @@ Build the optimizer on ``optimized.parameters()`` after calling ``optimize``.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import logging
 import types
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -27,7 +29,7 @@ from torch import nn
 
 from fxrec.graph import meta
 from fxrec.graph.capture import CaptureError, capture_symbolic
-from fxrec.graph.effects import comm_kind
+from fxrec.graph.effects import comm_kind, has_hooks
 from fxrec.graph.optimize_graph import RuleSpec, optimize_graph, resolve_rules
 from fxrec.graph.params import FusedParameters, ParamStore
 from fxrec.graph.report import Report
@@ -102,7 +104,6 @@ class OptimizedModule(nn.Module):
         self._traced: dict[Any, fx.GraphModule | None] = {}
         self._runners: dict[Any, Any] = {}
         self._communicates: set[Any] = set()
-        self._compiled: Any = None
         self._dynamo_backend: Any = None
         self._submodules = list(model.modules())
         self.fxrec_report = Report()
@@ -127,7 +128,12 @@ class OptimizedModule(nn.Module):
         return out
 
     def _key(self, args: tuple, kwargs: dict) -> Any:
-        return (self._mode(), _signature(args), _signature(kwargs) if kwargs else None)
+        return (
+            self._mode(),
+            _signature(args),
+            _signature(kwargs) if kwargs else None,
+            _autocast_state(),
+        )
 
     def _bind(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Arguments as ``forward`` declares them: positional ones by position, defaults
@@ -149,12 +155,16 @@ class OptimizedModule(nn.Module):
         return bound.args, bound.kwargs
 
     def _mode(self) -> Any:
-        """``self.training``, or every submodule's flag when they differ (a BatchNorm put in
-        eval mode alone): graphs bake the flags in, so each mix gets graphs of its own."""
+        """``self.training``, or every submodule's flag and hooks when the flags differ (a
+        BatchNorm put in eval mode alone) or a module has hooks: graphs bake the flags in, and
+        the hooks decide how the model is captured, so each mix gets graphs of its own."""
         t = self.training
         for m in self._submodules:
-            if m.training is not t:
-                return tuple(m.training for m in self._submodules)
+            if m.training is not t or has_hooks(m):
+                return (
+                    tuple(m.training for m in self._submodules),
+                    tuple(_hook_ids(i, m) for i, m in enumerate(self._submodules) if has_hooks(m)),
+                )
         return t
 
     def _owner(self) -> FusedParameters | None:
@@ -215,10 +225,10 @@ class OptimizedModule(nn.Module):
             )
             self.fxrec_report.capture = "dynamo"
         fn = _own_code(self.model)
-        self._compiled = torch.compile(fn, backend=self._dynamo_backend, dynamic=False)
+        compiled = torch.compile(fn, backend=self._dynamo_backend, dynamic=False)
         code, params = _code_and_params(fn, self.model)
         return _DynamoRunner(
-            self._compiled, self._dynamo_backend, code, params, self.fxrec_report,
+            compiled, self._dynamo_backend, code, params, self.fxrec_report,
             direct=not self._guards and code is not None,
         )  # fmt: skip
 
@@ -231,7 +241,7 @@ class OptimizedModule(nn.Module):
         gm = fx.GraphModule(traced, graph, traced.__class__.__name__)
         if any(comm_kind(n) for n in gm.graph.nodes):
             self._communicates.add(mode)
-        with _preserved_state(self.model):
+        with _preserved_state(self.model), _hooks_silenced(self.model):
             try:
                 reference = _run_annotating(gm, args)
             except Exception as exc:
@@ -247,7 +257,9 @@ class OptimizedModule(nn.Module):
             runs_eagerly=self._backend == "eager",
             for_inductor=self._backend == "inductor",
         )
-        if self._check and not _same_outputs(self.model, gm, args, reference):
+        with _hooks_silenced(self.model):
+            same = not self._check or _same_outputs(self.model, gm, args, reference)
+        if not same:
             logger.warning(
                 "fxrec: optimized graph disagrees with the model on the example inputs; using the captured graph"
             )
@@ -290,8 +302,18 @@ class OptimizedModule(nn.Module):
         self.fxrec_fused.relink()
         self._runners.clear()  # graphs hold references to the old tensors
         self._traced.clear()
-        self._compiled = None
         return self
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (``torch.save(opt)``) without its graphs: they hold dynamo's and FX's
+        process-local state, and are rebuilt on the first calls after loading."""
+        state = super().__getstate__()  # type: ignore[misc]
+        state = dict(state)
+        for name in ("_traced", "_runners"):
+            state[name] = {}
+        state["_communicates"] = set()
+        state["_dynamo_backend"] = None
+        return state
 
     def __deepcopy__(self, memo: dict[int, Any]) -> OptimizedModule:
         """An independent copy: the model deep-copied, its parameters laid out as here.
@@ -374,6 +396,10 @@ class _DynamoRunner:
         self.direct: Any = None
         self.grad_mode = True
 
+    # Never traced into by an outer torch.compile (``torch.compile(fxrec.optimize(m))``):
+    # dynamo would inline the model's own forward, on the parameters fxrec laid out, instead
+    # of this capture's graphs. It calls the runner as an opaque function instead.
+    @torch.compiler.disable
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         direct = self.direct
         if direct is not None and not kwargs and torch.is_grad_enabled() is self.grad_mode:
@@ -400,6 +426,25 @@ class _DynamoRunner:
         if note not in self.report.notes:
             self.report.notes.append(note)
         return result
+
+
+def _hook_ids(index: int, m: nn.Module) -> tuple:
+    return (
+        index,
+        tuple(m._forward_pre_hooks),
+        tuple(m._forward_hooks),
+        tuple(m._backward_pre_hooks),
+        tuple(m._backward_hooks),
+    )
+
+
+def _autocast_state() -> tuple:
+    """Which autocast regions are active, and their dtypes: graphs and direct calls built
+    outside one must not serve calls inside it (and the reverse)."""
+    return tuple(
+        torch.get_autocast_dtype(d) if torch.is_autocast_enabled(d) else None
+        for d in ("cpu", "cuda")
+    )
 
 
 class _EagerRunner:
@@ -446,6 +491,22 @@ def _device_type(args: tuple) -> str:
         if isinstance(leaf, torch.Tensor):
             return leaf.device.type
     return "cpu"
+
+
+@contextlib.contextmanager
+def _hooks_silenced(model: nn.Module) -> Iterator[None]:
+    """The user's module hooks do not run while a traced graph is run to be built or checked
+    (the runs are fxrec's, not the user's steps); graphs keep hooked calls as written."""
+    saved = []
+    for m in model.modules():
+        if has_hooks(m):
+            saved.append((m, m._forward_pre_hooks, m._forward_hooks))
+            m._forward_pre_hooks, m._forward_hooks = OrderedDict(), OrderedDict()
+    try:
+        yield
+    finally:
+        for m, pre, post in saved:
+            m._forward_pre_hooks, m._forward_hooks = pre, post
 
 
 class _preserved_state:
@@ -574,7 +635,6 @@ def optimize(
                 opt.fxrec_report.notes.append(
                     "check failed: outputs differ on the example inputs; model runs eagerly"
                 )
-                opt._compiled = model
                 opt._runners[key] = _EagerRunner(model, opt.fxrec_fused)
         opt.fxrec_fused.freeze()  # the optimizer is built on these layouts
         opt.fxrec_report.kernels_before, opt.fxrec_report.kernels_after = _kernels(

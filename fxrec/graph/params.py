@@ -57,7 +57,17 @@ class FusedParameters(nn.Module):
         super().__init__()
         self._members: dict[str, tuple[str, list[_Member]]] = {}
         self._by_ids: dict[tuple[str, tuple[int, ...]], str] = {}
+        self._index: dict[int, tuple[str, str, _Member]] | None = None  # locate(), cached
         self.frozen = False
+
+    def __setstate__(self, state: dict) -> None:
+        """Unpickled: the index by tensor ids is rebuilt (ids are per process)."""
+        super().__setstate__(state)
+        self._index = None
+        self._by_ids = {
+            (how, tuple(id(m.tensor) for m in members)): name
+            for name, (how, members) in self._members.items()
+        }
 
     def freeze(self) -> None:
         """No new layouts from now on: graphs built later reuse the existing ones.
@@ -102,6 +112,20 @@ class FusedParameters(nn.Module):
             getattr(out, name).requires_grad_(getattr(self, name).requires_grad)
         out.frozen = self.frozen
         return out
+
+    def view_of(self, t: torch.Tensor) -> torch.Tensor | None:
+        """``t``'s slice of its flat tensor, as a view, if ``t`` is a laid-out member.
+
+        For graphs that take a member as an input (a graph dynamo reuses for sibling
+        modules): the view carries its gradient to the flat parameter.
+        """
+        if self._index is None:
+            self._index = self.locate()
+        loc = self._index.get(id(t))
+        if loc is None:
+            return None
+        flat, how, m = loc
+        return _member_slice(getattr(self, flat), how, m) if m.tensor is t else None
 
     def member_ids(self) -> set[int]:
         return {id(m.tensor) for _, ms in self._members.values() for m in ms}
@@ -166,6 +190,7 @@ class FusedParameters(nn.Module):
             offset += t.shape[0] if t.dim() else 1
         self._members[name] = (how, members)
         self._by_ids[(how, tuple(id(t) for t in tensors))] = name
+        self._index = None
         self.relink(name)
         return name
 

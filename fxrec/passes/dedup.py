@@ -158,6 +158,10 @@ class Dedup(LocalRule):
         self._seen: dict[Any, fx.Node] = {}
         self._tainted: set[fx.Node] | None = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without the last sweep's graph (a module holding the rules is saved)."""
+        return {"_graph": None, "_seen": {}, "_tainted": None}
+
     def begin_sweep(self, ctx: RewriteContext) -> None:
         """Fresh table, fresh view of mutations."""
         self._graph = ctx.graph

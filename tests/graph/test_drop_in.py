@@ -262,3 +262,107 @@ def test_model_errors_come_from_the_model(untraceable: bool) -> None:
         assert str(ours.value) == str(theirs.value)
     with pytest.raises(TypeError, match="unexpected keyword argument 'y'"):
         opt(torch.randn(4, 4 * D), y=1)
+
+
+class WithHead(Norms):
+    def __init__(self, untraceable: bool = False) -> None:
+        super().__init__(untraceable=untraceable)
+        self.head = nn.Linear(4 * D, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(super().forward(x))
+
+
+def _hooked(model: Norms, calls: list[str]) -> None:
+    """A counting hook, a hook that detaches a feature, and a backward hook scaling one."""
+    model.norms[0].register_forward_hook(lambda m, i, o: calls.append("fwd"))
+    model.norms[3].register_forward_hook(lambda m, i, o: o.detach())
+    model.norms[1].register_full_backward_hook(lambda m, gi, go: tuple(3 * g for g in gi))
+
+
+@pytest.mark.parametrize("untraceable", [False, True], ids=["symbolic", "dynamo"])
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_hooks_on_submodules_run_as_in_the_model(untraceable: bool, when: str) -> None:
+    """Hooks keep their effect on outputs and gradients, and run once per call."""
+    model = Norms(untraceable=untraceable)
+    ref = copy.deepcopy(model)
+    ours: list[str] = []
+    theirs: list[str] = []
+    _hooked(ref, theirs)
+    if when == "before":
+        _hooked(model, ours)
+    opt = fxrec.optimize(model, (torch.randn(8, 4 * D),))
+    if when == "after":
+        _hooked(model, ours)
+    for b in (8, 8, 5):
+        x = torch.randn(b, 4 * D)
+        xo, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+        del ours[:], theirs[:]
+        out, expected = opt(xo), ref(xr)
+        assert ours == theirs == ["fwd"]
+        torch.testing.assert_close(out, expected, rtol=TOL, atol=TOL)
+        w = torch.randn_like(out)
+        (out * w).sum().backward()
+        (expected * w).sum().backward()
+        torch.testing.assert_close(xo.grad, xr.grad, rtol=TOL, atol=TOL)
+        got = _grads(opt, model)
+        for name, p in ref.named_parameters():
+            if p.grad is None:  # the detached feature's LayerNorm
+                assert got[name] is None or not got[name].any(), name
+            else:
+                torch.testing.assert_close(got[name], p.grad, rtol=TOL, atol=TOL, msg=name)
+        for p in [*ref.parameters(), *opt.parameters()]:
+            p.grad = None
+
+
+@pytest.mark.parametrize("untraceable", [False, True], ids=["symbolic", "dynamo"])
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("optimized_in", [False, True], ids=["outside", "inside"])
+def test_autocast_regions_are_followed(untraceable: bool, backend: str, optimized_in: bool) -> None:
+    model = WithHead(untraceable=untraceable)  # the Linear runs in bf16 under autocast
+    ref = copy.deepcopy(model)
+    x = torch.randn(8, 4 * D)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=optimized_in):
+        opt = fxrec.optimize(model, (x,), backend=backend)
+    for region in (not optimized_in, optimized_in, not optimized_in):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=region):
+            out, expected = opt(x), ref(x)
+        assert out.dtype == expected.dtype
+        torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2)
+
+
+def test_torch_compile_of_an_optimized_module_trains_its_parameters() -> None:
+    """``torch.compile(fxrec.optimize(m))`` on a model dynamo captures: at every batch size,
+    the gradients reach the parameters the optimizer holds."""
+    model = Norms(untraceable=True)
+    ref = copy.deepcopy(model)
+    opt = fxrec.optimize(model, (torch.randn(16, 4 * D),))
+    compiled = torch.compile(opt, backend="eager")
+    for b in (16, 9):
+        x, w = torch.randn(b, 4 * D), torch.randn(b, 4 * D)
+        for p in [*ref.parameters(), *opt.parameters()]:
+            p.grad = None
+        (compiled(x) * w).sum().backward()
+        (ref(x) * w).sum().backward()
+        assert all(p.grad is not None for p in opt.parameters())
+        got = _grads(opt, model)
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(got[name], p.grad, rtol=TOL, atol=TOL, msg=name)
+
+
+@pytest.mark.parametrize("untraceable", [False, True], ids=["symbolic", "dynamo"])
+def test_whole_module_save_and_load(untraceable: bool) -> None:
+    """``torch.save(opt)`` after use; the loaded module rebuilds its graphs and trains as the
+    model (its parameters still laid out once)."""
+    import io
+
+    model = Norms(untraceable=untraceable)
+    opt = fxrec.optimize(model, (torch.randn(8, 4 * D),))
+    opt(torch.randn(8, 4 * D))
+    buf = io.BytesIO()
+    torch.save(opt, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert [n for n, _ in loaded.named_parameters()] == [n for n, _ in opt.named_parameters()]
+    ref = copy.deepcopy(model)
+    _same_training(loaded.model, ref, loaded, [8, 8], 4 * D)
