@@ -82,7 +82,8 @@ class TrainPipelineBase:
             batch: ``model(batch)``, which must return the loss or ``(loss, ...)``).
         optimizer: stepped once per batch (``zero_grad`` before each forward).
         device: where batches go (default: the model's parameters' device).
-        loss_fn: ``loss_fn(output, batch) -> loss`` for :class:`Batch` inputs (default BCE).
+        loss_fn: ``loss_fn(output, batch) -> loss`` or ``(loss, ...)`` for :class:`Batch`
+            inputs (default BCE).
         host_fn: host-side preparation applied to each batch before the copy (e.g. packing
             sparse features); its time is counted in ``stats.host_s``.
         prepare_tensordicts: convert a batch's TensorDicts to KJTs in the host stage, as the
@@ -132,9 +133,10 @@ class TrainPipelineBase:
         if isinstance(batch, Batch):
             with self._td_prep.probe(batch):
                 out = self.model(batch.dense, batch.sparse)
-            return self.loss_fn(out, batch)
-        out = self.model(batch)
-        return out[0] if isinstance(out, (tuple, list)) else out
+            out = self.loss_fn(out, batch)
+        else:
+            out = self.model(batch)
+        return out[0] if isinstance(out, (tuple, list)) else out  # (loss, extras...)
 
     def _backward_step(self, loss: torch.Tensor) -> None:
         loss.backward()
@@ -252,6 +254,7 @@ class TrainPipelineSparseDist(TrainPipelineBase):
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._source: Iterator[Any] | None = None
+        self._exhausted = False  # the source ended: progress() accepts a new iterator
         self._next: tuple[int, Any, BaseException | None, str] | None = None
         self._stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
         from fxrec.train.sparse_dist import InputDist
@@ -312,7 +315,10 @@ class TrainPipelineSparseDist(TrainPipelineBase):
                         return _END
 
     def _start(self, source: Iterator[Any]) -> None:
+        if self._thread is not None:
+            self._thread.join()  # it put the end of the last iterator and returned
         self._source = source
+        self._exhausted = False
         self._thread = threading.Thread(
             target=self._produce, args=(source,), name="fxrec-pipeline-copy", daemon=True
         )
@@ -335,16 +341,17 @@ class TrainPipelineSparseDist(TrainPipelineBase):
     # -- public API ----------------------------------------------------------------------------
     def progress(self, dataloader_iter: Iterator[Any]) -> torch.Tensor:
         self._check_open()
-        if self._source is None:
-            self._start(dataloader_iter)
+        if self._source is None or (dataloader_iter is not self._source and self._exhausted):
+            self._start(dataloader_iter)  # the first iterator, or the next epoch's
         elif dataloader_iter is not self._source:
             raise ValueError(
-                "TrainPipelineSparseDist reads ahead from the iterator of its first progress() "
-                "call; keep passing that iterator (or build a new pipeline for a new one)."
+                "TrainPipelineSparseDist reads ahead from its iterator: keep passing the same "
+                "one until it raises StopIteration (then a new one, e.g. the next epoch's)."
             )
         current = self._next if self._next is not None else self._take()
         self._next = None
         if current is None:
+            self._exhausted = True
             raise StopIteration
         index, batch, exc, stage = current
         self._index = index + 1

@@ -48,6 +48,7 @@ class InputDist:
         self._probed = not self.modules
         self._pending: dict[int, tuple[Any, Any]] = {}  # id(module) -> (features, handle)
         self._where: dict[int, int] = {}  # id(module) -> which part of batch.sparse it reads
+        self._probing = False
 
     def probe(self, batch: Any) -> None:
         """On the first batch: find the collections that receive ``batch.sparse`` itself."""
@@ -58,22 +59,20 @@ class InputDist:
         # the sparse object itself, or one element of a tuple/list of them
         parts = list(sparse) if isinstance(sparse, (tuple, list)) else [sparse]
         seen: dict[int, int | None] = {}
-
-        def hook(mod: nn.Module, args: tuple) -> None:
-            where = [i for i, p in enumerate(parts) if args and args[0] is p]
-            seen[id(mod)] = where[0] if where else None
-
-        handles = [m.register_forward_pre_hook(hook) for m in self.modules]
-        self._restore_hooks = handles
+        # A wrapped forward, not a forward hook: hooks would make fxrec.optimize build other
+        # graphs (it keys graphs on hooks, which symbolic tracing would otherwise drop).
+        for m in self.modules:
+            m.forward = _recording(m, m.forward, parts, seen)  # type: ignore[method-assign]
+        self._probing = True
         self._seen = seen
 
     def _finish_probe(self) -> None:
-        handles = getattr(self, "_restore_hooks", None)
-        if handles is None:
+        if not self._probing:
             return
-        for h in handles:
-            h.remove()
-        self._restore_hooks = None
+        for m in self.modules:
+            if "forward" in m.__dict__:
+                del m.forward
+        self._probing = False
         for m in self.modules:
             where = self._seen.get(id(m))
             if where is not None:
@@ -170,6 +169,17 @@ class InputDist:
                 del m.forward
                 del m._fxrec_pipeline_forward
         self.enabled = []
+
+
+def _recording(m: nn.Module, forward: Any, parts: list[Any], seen: dict[int, int | None]) -> Any:
+    """``forward``, noting which of ``parts`` (if any) the collection receives as is."""
+
+    def probing(features: Any, *args: Any, **kwargs: Any) -> Any:
+        where = [i for i, p in enumerate(parts) if features is p]
+        seen[id(m)] = where[0] if where else None
+        return forward(features, *args, **kwargs)
+
+    return probing
 
 
 def _drain(request: Any) -> None:

@@ -216,6 +216,29 @@ def test_sparse_dist_refuses_a_different_iterator():
             pipe.progress(iter(batches))
 
 
+@pytest.mark.parametrize("pipeline_cls", [TrainPipelineBase, TrainPipelineSparseDist])
+def test_run_over_several_epochs(pipeline_cls):
+    """``run`` takes a new iterator each call: one per epoch, once the last one ended."""
+    batches = make_batches(KEYS, 3)
+    ref_losses, ref_params = reference(batches + batches)
+    model, opt = fresh(KEYS)
+    with pipeline_cls(model, opt) as pipe:
+        losses = pipe.run(batches) + pipe.run(batches)
+    assert_same(losses, params(model), ref_losses, ref_params)
+
+
+@pytest.mark.parametrize("pipeline_cls", [TrainPipelineBase, TrainPipelineSparseDist])
+def test_loss_fn_may_return_extras(pipeline_cls):
+    from fxrec.train.pipeline import bce_loss
+
+    batches = make_batches(KEYS, 3)
+    ref_losses, ref_params = reference(batches)
+    model, opt = fresh(KEYS)
+    with pipeline_cls(model, opt, loss_fn=lambda out, b: (bce_loss(out, b), {"n": 1})) as pipe:
+        losses = pipe.run(batches)
+    assert_same(losses, params(model), ref_losses, ref_params)
+
+
 def test_prefetch_must_be_positive():
     model, opt = fresh(KEYS)
     with pytest.raises(ValueError, match="prefetch"):
