@@ -13,7 +13,8 @@ What the rewritten graph starts with:
 * per-feature consumers (tensor arguments, ``JaggedTensor`` s, dicts of them) read the pieces
   of ONE ``torch.ops.fxrec.permute_and_split`` node;
 * a KJT argument is rebuilt as a zero-copy view of its slice of the combined tensors (a KJT
-  already is combined; splitting it to join it again would copy twice), and so is a TensorDict
+  already is combined; splitting it to join it again would copy twice), TorchRec's KJT as
+  TorchRec's (for models holding TorchRec's modules), and so is a TensorDict
   argument that feeds fxrec's own collections (which take KJTs); other TensorDict uses get a
   TensorDict of views over that slice.
 
@@ -44,8 +45,10 @@ from fxrec.sparse import (
     CombinedFeatures,
     JaggedTensor,
     KeyedJaggedTensor,
+    from_torchrec,
     kjt_from_tensordict,
     kjt_to_tensordict,
+    to_torchrec,
 )
 from fxrec.sparse.tensordict_interop import JaggedParts, join_values, tensordict_parts
 
@@ -55,6 +58,8 @@ __all__ = ["InputPacker", "combine_inputs"]
 
 # Slot kinds: how one argument of the original forward is carried.
 _DENSE, _TENSORS, _JT, _JT_DICT, _KJT, _TD = "dense", "tensors", "jt", "jt_dict", "kjt", "td"
+_TR_KJT = "torchrec_kjt"  # TorchRec's KeyedJaggedTensor: combined as ours, rebuilt as theirs
+_KEYED = (_KJT, _TD, _TR_KJT)  # kinds rebuilt from one slice of the combined features
 
 
 @dataclass(frozen=True)
@@ -73,11 +78,15 @@ def _chunk_of(
 ) -> KeyedJaggedTensor | JaggedParts | list[KeyedJaggedTensor]:
     """The slot's features as KJT(s), zero-copy for a KJT argument; a TensorDict's as its
     :class:`~fxrec.sparse.tensordict_interop.JaggedParts`, copied once, by the packer."""
-    if slot.kind == _KJT:
+    if slot.kind in (_KJT, _TR_KJT):
         kjt = args[slot.positions[0]]
-        if not isinstance(kjt, KeyedJaggedTensor):
+        if slot.kind == _TR_KJT and _is_torchrec_kjt(kjt):
+            kjt = from_torchrec(kjt)  # zero-copy
+        elif not isinstance(kjt, KeyedJaggedTensor) or slot.kind == _TR_KJT:
+            want = "TorchRec's" if slot.kind == _TR_KJT else "fxrec's"
             raise ValueError(
-                f"argument {slot.positions[0]} must be a KeyedJaggedTensor, got {type(kjt).__name__}."
+                f"argument {slot.positions[0]} must be {want} KeyedJaggedTensor (as in the "
+                f"example batch), got {type(kjt).__module__}.{type(kjt).__name__}."
             )
         if tuple(kjt.keys()) != slot.keys:
             kjt = kjt.permute(_index(kjt.keys(), slot.keys, "KeyedJaggedTensor"))
@@ -105,8 +114,17 @@ def _chunk_of(
         return KeyedJaggedTensor.from_jt_dict({slot.keys[0]: jt})
     pv, pl, pw = slot.positions
     weights = args[pw] if pw >= 0 else None
-    jt = JaggedTensor(args[pv], weights, lengths=args[pl])  # validates (when enabled)
+    try:
+        jt = JaggedTensor(args[pv], weights, lengths=args[pl])  # validates (when enabled)
+    except ValueError as exc:
+        raise ValueError(f"feature {slot.keys[0]!r}: {exc}") from None
     return KeyedJaggedTensor.from_jt_dict({slot.keys[0]: jt})
+
+
+def _is_torchrec_kjt(value: Any) -> bool:
+    """TorchRec's KeyedJaggedTensor, recognised without importing TorchRec."""
+    t = type(value)
+    return t.__name__ == "KeyedJaggedTensor" and t.__module__.startswith("torchrec.")
 
 
 def _index(have: Sequence[str], want: Sequence[str], what: str) -> list[int]:
@@ -159,10 +177,18 @@ class InputPacker:
         values: list[torch.Tensor] = []
         lengths: list[torch.Tensor] = []
         weights: list[torch.Tensor] = []
+        owners: dict[str, list[tuple[list[str], torch.Tensor]]] = {"ids": [], "lengths": []}
         any_weighted = any(self.weighted)
         i = 0
         for chunk in chunks:
             p = chunk if isinstance(chunk, JaggedParts) else JaggedParts.of_kjt(chunk)
+            per_key = len(p.values) == len(p.keys)
+            owners["ids"] += (
+                [([k], v) for k, v in zip(p.keys, p.values)]
+                if per_key
+                else [(list(p.keys), p.values[0])]
+            )
+            owners["lengths"].append((list(p.keys), p.lengths))
             for k in p.keys:
                 if (p.weights is not None) != self.weighted[i]:
                     state = "has" if p.weights is not None else "has no"
@@ -180,15 +206,14 @@ class InputPacker:
             elif any_weighted:
                 n = sum(p.length_per_key)
                 weights.append(torch.ones(n, dtype=self._dtypes[2], device=p.lengths.device))
-        for name, parts, dtype in (
-            ("ids", values, self._dtypes[0]),
-            ("lengths", lengths, self._dtypes[1]),
-        ):
-            bad = {str(t.dtype) for t in parts if t.dtype != dtype}
+        for name, dtype in (("ids", self._dtypes[0]), ("lengths", self._dtypes[1])):
+            bad = [(keys, t.dtype) for keys, t in owners[name] if t.dtype != dtype]
             if bad:
+                keys, got = bad[0]
                 raise ValueError(
-                    f"every feature's {name} must have one dtype ({dtype}); got {sorted(bad)}. "
-                    "Cast them in the data loader."
+                    f"feature {keys[0]!r}: {name} of dtype {got}, but the model was combined "
+                    f"for {dtype} (every feature's {name} share one tensor). Cast them in the "
+                    "data loader."
                 )
         return CombinedFeatures(
             self.keys,
@@ -214,6 +239,8 @@ class InputPacker:
             mine = self.weighted[s.start : s.start + len(s.keys)]
             if s.kind == _KJT:
                 out[s.positions[0]] = _kjt_slice(cf, s.start, len(s.keys), mine)
+            elif s.kind == _TR_KJT:
+                out[s.positions[0]] = to_torchrec(_kjt_slice(cf, s.start, len(s.keys), mine))
             elif s.kind == _TD:
                 out[s.positions[0]] = kjt_to_tensordict(_kjt_slice(cf, s.start, len(s.keys), mine))
             elif s.kind == _JT_DICT:
@@ -294,9 +321,11 @@ class _Rebuild(nn.Module):
         self.weighted = tuple(weighted)
 
     def forward(self, *parts: Any) -> Any:
-        if self.kind in (_KJT, _TD):
+        if self.kind in _KEYED:
             (cf,) = parts
             kjt = _kjt_slice(cf, self.start, len(self.keys), self.weighted)
+            if self.kind == _TR_KJT:
+                return to_torchrec(kjt)
             return kjt if self.kind == _KJT else kjt_to_tensordict(kjt)
         # JaggedTensor kinds: ``start`` indexes the permute_and_split pieces.
         vals, lens, wts = parts
@@ -351,9 +380,10 @@ def _classify(
             continue
         if i in in_features:
             continue
-        if isinstance(value, KeyedJaggedTensor):
+        if isinstance(value, KeyedJaggedTensor) or _is_torchrec_kjt(value):
             keys = tuple(value.keys())
-            slots.append(_Slot(_KJT, (i,), keys))
+            kind = _KJT if isinstance(value, KeyedJaggedTensor) else _TR_KJT
+            slots.append(_Slot(kind, (i,), keys))
             weighted += [value.weights_or_none() is not None] * len(keys)
         elif isinstance(value, TensorDictBase):
             kjt = kjt_from_tensordict(value)
@@ -510,7 +540,7 @@ def combine_inputs(
         if kind == _TD and _feeds_fxrec_collection(ph, gm):
             kind = _KJT  # fxrec's collections take KJTs too: skip building a TensorDict
         mine = weighted[s.start : s.start + len(s.keys)]
-        if kind in (_KJT, _TD):
+        if kind in _KEYED:
             setattr(wrapper, name, _Rebuild(kind, s.keys, s.start, mine))
             args: tuple[Any, ...] = (cf,)
         else:

@@ -273,9 +273,9 @@ def test_clear_errors():
     with pytest.raises(ValueError, match="values_arg"):
         combine_inputs(gm, args, features={"f0": ("a1",)})
     _new, packer = combine_inputs(gm, args, features={"f0": ("a1", "a2")})
-    with pytest.raises(ValueError, match="dtype"):
+    with pytest.raises(ValueError, match=r"feature 'f0': ids of dtype torch\.int32"):
         packer(args[0], args[1].int(), args[2])
-    with pytest.raises(ValueError, match=r"lengths|sum"):
+    with pytest.raises(ValueError, match=r"feature 'f0': .*(lengths|sum)"):
         packer(args[0], args[1], torch.tensor([5, 5]))  # lengths do not sum to the ids
     with pytest.raises(ValueError, match="arguments"):
         packer(args[0])
@@ -320,3 +320,42 @@ def test_tensordicts_are_packed_as_their_features(a, b):
         wb = b.weights() if b.wbags is not None else torch.ones(b.values().numel())
         assert torch.equal(cf.weights, torch.cat([wa, wb]))
     torch.testing.assert_close(new(*packer(dense, *tds)), ReadsTwoTensorDicts()(dense, *tds))
+
+
+class TorchRecRanker(nn.Module):
+    """A model on TorchRec's own types: its collection takes TorchRec's KJT."""
+
+    def __init__(self, keys: list[str]) -> None:
+        super().__init__()
+        from torchrec.modules.embedding_configs import EmbeddingBagConfig
+        from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+        tables = [
+            EmbeddingBagConfig(
+                num_embeddings=NUM_EMB, embedding_dim=3, name=f"t_{k}", feature_names=[k]
+            )
+            for k in keys
+        ]
+        self.ebc = EmbeddingBagCollection(tables=tables, is_weighted=True)
+        self.over = nn.Linear(3 + 3 * len(keys), 1)
+
+    def forward(self, dense, features):
+        return self.over(torch.cat([dense, self.ebc(features).values()], 1))
+
+
+@pytest.mark.torchrec
+def test_torchrec_kjt_is_combined_and_rebuilt_as_torchrecs():
+    pytest.importorskip("torchrec")
+    from fxrec.sparse import to_torchrec
+
+    keys = ["f0", "f1", "f2"]
+    g = torch.Generator().manual_seed(0)
+    model = TorchRecRanker(keys)
+    args = (torch.randn(4, 3, generator=g), to_torchrec(make_kjt(keys, 4, g, True, False)))
+    new, packer = combine_inputs(model, args)
+    for batch in (4, 2):
+        theirs = to_torchrec(make_kjt(keys[::-1], batch, g, True, False))  # other key order
+        call = (torch.randn(batch, 3, generator=g), theirs)
+        check_same(model, new, call, packer(*call))
+    with pytest.raises(ValueError, match="must be TorchRec's KeyedJaggedTensor"):
+        packer(args[0], make_kjt(keys, 4, g, True, False))
