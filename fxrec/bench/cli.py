@@ -64,9 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", metavar="DIR", help="results folder (default bench_results)")
     bench.add_argument(
         "--only",
-        nargs="+",
+        action="append",
         metavar="NAME",
-        help="graph section: only cases whose name contains NAME",
+        help="graph section: only cases whose name contains NAME (repeat for several)",
     )
     bench.add_argument("-v", "--verbose", action="count", default=0, help="-v info, -vv debug")
     return parser
@@ -91,6 +91,14 @@ def _check_device(device: str, parser: argparse.ArgumentParser) -> None:
             f"torch {torch.__version__}). Run on a machine with a GPU and a CUDA build of "
             "PyTorch, or use --device cpu."
         )
+
+
+def _check_out(out: str, parser: argparse.ArgumentParser) -> None:
+    """The results folder exists or can be made, before any section runs."""
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as exc:
+        parser.error(f"--out {out}: cannot use it as the results folder ({exc.strerror}).")
 
 
 def _load(name: str) -> tuple[Any, str | None]:
@@ -155,7 +163,11 @@ def run_sections(
         payload = result if isinstance(result, dict) else {"result": result}
         payload = {"section": name, "seconds": seconds, **payload}
         results[name] = payload
-        path = write_json(name, payload)
+        try:
+            path = write_json(name, payload)
+        except OSError as exc:
+            problems[name] = f"results not written: {exc}"
+            continue
         tqdm.write(f"[{name}] done in {seconds:.0f} s -> {path}")
     bar.close()
     return results, problems
@@ -191,6 +203,7 @@ def run_cli(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.only and "graph" not in names:
         parser.error("--only selects cases of the graph section; add 'graph' to the sections")
     if args.out:
+        _check_out(args.out, parser)
         os.environ["FXREC_BENCH_DIR"] = args.out
     results, problems = run_sections(
         names,

@@ -124,6 +124,17 @@ def test_bad_device_and_only_without_graph(capsys) -> None:
     with pytest.raises(SystemExit):
         main(["bench", "sparse", "--only", "seed"])
     assert "--only selects cases of the graph section" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a section after --only stays a section
+        main(["bench", "--only", "seed", "sparse"])
+    assert "--only selects cases of the graph section" in capsys.readouterr().err
+
+
+def test_out_that_is_a_file_fails_before_any_section_runs(tmp_path, capsys) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    with pytest.raises(SystemExit):
+        main(["bench", "sparse", "--out", str(afile)])
+    assert "--out" in capsys.readouterr().err
 
 
 def test_only_matching_nothing_fails_clearly() -> None:
