@@ -141,6 +141,20 @@ def _members_through_flat(
     return call
 
 
+def _without_new_attrs(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm``, or a copy when rules gave it tensors of its own (fused lookups' constant table
+    offsets): AOTAutograd looks each of the module's tensors up among the sources dynamo
+    recorded for the module it captured, and would not find those. The copy is a plain
+    graph module, whose tensors AOTAutograd takes as they are."""
+    known = getattr(gm, "_param_name_to_source", None)
+    if known is None:
+        return gm
+    ours = [n.target for n in gm.graph.nodes if n.op == "get_attr" and n.target not in known]
+    if not any(isinstance(getattr(gm, str(t), None), torch.Tensor) for t in ours):
+        return gm
+    return prune_attrs(gm)
+
+
 def compile_backend(
     inner: str | Backend = "inductor",
     *,
@@ -183,7 +197,7 @@ def compile_backend(
         )
         fill_example_values(gm)
         if keep is None:
-            return inner_fn(gm, list(example_inputs))
+            return inner_fn(_without_new_attrs(gm), list(example_inputs))
         kept_inputs = [example_inputs[i] for i in keep]
         record = GraphRecord(
             _members_through_flat(inner_fn(prune_attrs(gm), kept_inputs), kept_inputs, owner),

@@ -72,6 +72,23 @@ def test_seed_pattern_and_towers_match_eager_in_training() -> None:
     compiled_matches_eager(towers, towers.example(4), be)
 
 
+class Lookups(nn.Module):
+    def __init__(self, n: int = 8) -> None:
+        super().__init__()
+        self.embs = nn.ModuleList(nn.Embedding(20, 4) for _ in range(n))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.cat([e(ids[:, i]) for i, e in enumerate(self.embs)], 1)
+
+
+def test_fused_lookups_compile_further() -> None:
+    """The fused lookup's constant table offsets belong to the graph module, which
+    AOTAutograd takes as it is (dynamo recorded no source for them)."""
+    be = fxrec.compile_backend("aot_eager")
+    compiled_matches_eager(Lookups(), (torch.randint(0, 20, (4096, 8)),), be)
+    assert _fired(be.report, "parallel_embedding")
+
+
 def test_inference_under_no_grad() -> None:
     seed = SeedPattern(4, d=8).eval()
     (x,) = seed.example(3)
