@@ -14,9 +14,10 @@ Dynamo's own machinery (guards, graph breaks, input and output plumbing) stays i
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -42,7 +43,13 @@ class CaptureError(RuntimeError):
 
 
 class FxrecTracer(fx.Tracer):
-    """Symbolic tracer that keeps fxrec's and TorchRec's sparse modules as leaves."""
+    """Symbolic tracer that keeps fxrec's and TorchRec's sparse modules as leaves, and
+    refuses activation checkpointing (it would trace through it, dropping the recomputation
+    and keeping every activation; dynamo keeps the checkpointed region)."""
+
+    def trace(self, root: Any, concrete_args: Any = None) -> fx.Graph:
+        with _checkpoint_refused():
+            return super().trace(root, concrete_args)
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         if getattr(m, "_fxrec_leaf", False):
@@ -51,6 +58,25 @@ class FxrecTracer(fx.Tracer):
         if mod.startswith("torchrec."):
             return True
         return super().is_leaf_module(m, qualname)
+
+
+@contextlib.contextmanager
+def _checkpoint_refused() -> Iterator[None]:
+    """``torch.utils.checkpoint.checkpoint`` raises while tracing (both of its variants)."""
+    import torch.utils.checkpoint as ckpt
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise CaptureError("activation checkpointing (torch.utils.checkpoint) in forward")
+
+    saved_fn = ckpt.CheckpointFunction.apply
+    saved_gen = ckpt._checkpoint_without_reentrant_generator
+    ckpt.CheckpointFunction.apply = refuse  # type: ignore[method-assign]
+    ckpt._checkpoint_without_reentrant_generator = refuse  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        ckpt.CheckpointFunction.apply = saved_fn  # type: ignore[method-assign]
+        ckpt._checkpoint_without_reentrant_generator = saved_gen
 
 
 def capture_symbolic(model: nn.Module) -> fx.GraphModule:
