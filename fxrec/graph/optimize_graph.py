@@ -84,6 +84,15 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
+def _symbolic_inputs(gm: fx.GraphModule) -> bool:
+    """Does a graph input have a symbolic size (dynamo's dynamic shapes)?"""
+    for node in gm.graph.find_nodes(op="placeholder"):
+        ti = meta.info(node)
+        if isinstance(ti, meta.TensorInfo) and not ti.static:
+            return True
+    return False
+
+
 def optimize_graph(
     gm: fx.GraphModule,
     rules: Sequence[Rule],
@@ -116,6 +125,13 @@ def optimize_graph(
         )
     report.nodes_before += before
     report.nodes_after += len(gm.graph.nodes)
+    if _symbolic_inputs(gm):
+        note = (
+            "dynamic shapes: rules need static sizes, so graphs with symbolic ones are left "
+            "as written (compile with dynamic=False to let fxrec fuse)"
+        )
+        if note not in report.notes:
+            report.notes.append(note)
     report.seconds += passes_s
     logger.debug(
         "optimize_graph: %.1f ms, of which %.1f ms in the rule passes",

@@ -146,6 +146,7 @@ def test_dynamic_shapes_skip_symbolic_and_stay_correct() -> None:
     )
     ti = TensorInfo.of(x_node.meta["example_value"])
     assert not ti.static and ti.shape[1] == 32
+    assert any(n.startswith("dynamic shapes") for n in be.report.notes), be.report.notes
 
 
 def test_new_nodes_get_example_values() -> None:
