@@ -19,6 +19,7 @@ import copy
 import inspect
 import logging
 import types
+import warnings
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -658,7 +659,9 @@ def _kernels(model: nn.Module, opt: OptimizedModule, args: tuple) -> tuple[Any, 
     tensors += [t for t in tree_leaves(args) if isinstance(t, torch.Tensor) and t.requires_grad]
     saved = [(t, t.grad) for t in tensors]
     try:
-        with _preserved_state(model):
+        # fxrec's own counting steps: warnings they raise (e.g. from the user's hooks) stay quiet
+        with _preserved_state(model), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
             counts = [count_kernels(m, *args) for m in (model, opt)]
         return tuple((c.forward, c.backward) for c in counts)  # type: ignore[return-value]
     except Exception as exc:  # a report detail must never make optimize fail
