@@ -176,13 +176,19 @@ def _same(a: list[Any], b: list[Any]) -> bool:
     return len(a) == len(b) and all(x is y for x, y in zip(a, b))
 
 
+def _versions(objs: list[Any]) -> list[Any]:
+    """The version counters of the NJTs' tensors: an in-place edit (``values().add_(1)``,
+    through any view) bumps them."""
+    return [(o._values._version, o._offsets._version) if is_njt(o) else None for o in objs]
+
+
 def prepare_kjt(td: TensorDictBase, keys: Sequence[str] | None = None) -> KeyedJaggedTensor:
     """Convert ``td`` now and keep the KJT with it.
 
     A later ``kjt_from_tensordict(td, keys)`` (same keys) returns this KJT without work, as
-    long as ``td``'s entries are the same objects; replacing an entry drops it. This moves the
-    conversion to whoever calls this first: a train pipeline's host stage, off the step. The
-    KJT is a snapshot: in-place edits of copied ids after this call are not seen.
+    long as ``td``'s entries are the same objects, unedited; replacing an entry, or editing
+    its ids, offsets or weights in place, drops it. This moves the conversion to whoever
+    calls this first: a train pipeline's host stage, off the step.
     """
     keys = list(td.keys()) if keys is None else list(keys)
     entries = _entries(td, keys) if keys else []
@@ -190,14 +196,15 @@ def prepare_kjt(td: TensorDictBase, keys: Sequence[str] | None = None) -> KeyedJ
     attrs = getattr(td, "__dict__", None)
     if attrs is None:  # a TensorDict type without instance attributes: nothing to keep it in
         return kjt
-    attrs.setdefault(_PREPARED, {})[tuple(keys)] = (_snapshot(entries), kjt)
+    objs = _snapshot(entries)
+    attrs.setdefault(_PREPARED, {})[tuple(keys)] = (objs, _versions(objs), kjt)
     return kjt
 
 
 def prepared_kjts(td: Any) -> list[KeyedJaggedTensor]:
     """The KJTs :func:`prepare_kjt` kept with ``td`` (none for anything else)."""
     cache = getattr(td, "__dict__", {}).get(_PREPARED) if isinstance(td, TensorDictBase) else None
-    return [kjt for _, kjt in cache.values()] if cache else []
+    return [kjt for _, _, kjt in cache.values()] if cache else []
 
 
 def _lookup(td: TensorDictBase, keys: list[str], entries: list[Any]) -> KeyedJaggedTensor | None:
@@ -205,9 +212,13 @@ def _lookup(td: TensorDictBase, keys: list[str], entries: list[Any]) -> KeyedJag
     if not cache:
         return None
     hit = cache.get(tuple(keys))
-    if hit is None or not _same(hit[0], _snapshot(entries)):
+    if hit is None:
         return None
-    return hit[1]
+    objs, versions, kjt = hit
+    now = _snapshot(entries)
+    if not _same(objs, now) or _versions(now) != versions:
+        return None
+    return kjt
 
 
 # -- TensorDict -> KJT ---------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from torch import nn
 from fxrec.sparse import kjt_from_tensordict
 from fxrec.sparse.tensordict_interop import prepared_kjts
 from fxrec.train import Batch, TrainPipelineBase, TrainPipelineSparseDist
+from tests.sparse.helpers import separate_buffers
 from tests.train.helpers import fresh, make_batches, params
 from tests.train.test_pipelines import assert_same, reference
 
@@ -99,3 +100,36 @@ def test_a_batch_that_fails_to_convert_fails_in_its_step(pipeline_cls):
             except Exception as e:
                 errors.append((e.batch_index, e.stage, type(e.__cause__)))
     assert errors == [(3, "training on it", ValueError)]
+
+
+class HashesInPlace(nn.Module):
+    """Edits the batch's ids in place before converting (hashing raw ids into range)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, dense: torch.Tensor, sparse: Any) -> torch.Tensor:
+        sparse["f1"].values().remainder_(5)
+        return self.inner(dense, kjt_from_tensordict(sparse))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("pipeline_cls", PIPELINES)
+def test_ids_edited_in_place_by_the_model_are_seen(pipeline_cls):
+    """A KJT prepared ahead of the step is dropped once the model edits the ids it was
+    made from: the model sees its edit, as without preparation."""
+
+    def fresh_batches():  # the model edits them: each run gets its own
+        batches = make_batches(KEYS, 5, input_type="td", seed=8)
+        # each feature in its own buffer: the prepared KJT holds a copy of the ids
+        return [Batch(b.dense, separate_buffers(b.sparse, KEYS), b.labels) for b in batches]
+
+    results = []
+    for prepare in (False, True):
+        inner, opt = fresh(KEYS)
+        with pipeline_cls(HashesInPlace(inner), opt, prepare_tensordicts=prepare) as pipe:
+            losses = pipe.run(fresh_batches())
+        results.append((losses, params(inner)))
+    (ref_losses, ref_params), (losses, got) = results
+    assert_same(losses, got, ref_losses, ref_params)
