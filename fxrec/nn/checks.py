@@ -7,13 +7,14 @@ an id past its table would silently read the next table's rows of the grouped we
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 import torch
 
 from fxrec.nn.layout import Member
 
-__all__ = ["check_dtypes", "check_id_ranges", "locate_bad_id"]
+__all__ = ["assert_id_ranges", "check_dtypes", "check_id_ranges", "locate_bad_id"]
 
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
@@ -60,6 +61,36 @@ def check_id_ranges(
         bad = int(margin) < 0
     if bad:
         raise locate_bad_id(values, members, counts)
+
+
+def assert_id_ranges(
+    values: torch.Tensor,
+    lengths: torch.Tensor,
+    stride_per_key: Sequence[int],
+    members: Sequence[Member],
+) -> None:
+    """:func:`check_id_ranges` for traced graphs (``torch.compile``): a device-side assert.
+
+    It reads nothing back, needs no per-key host counts (each id's bound comes from its
+    row's key), and Inductor keeps it in the kernels it generates.
+    """
+    device = values.device
+    rows = torch.tensor([m.num_embeddings for m in members], dtype=torch.long, device=device)
+    spk = torch.tensor(list(stride_per_key), dtype=torch.long, device=device)
+    per_row = torch.repeat_interleave(rows, spk, output_size=lengths.numel())
+    limit = torch.repeat_interleave(per_row, lengths.long(), output_size=values.numel())
+    ids = values.long()
+    inside = torch.logical_and(ids >= 0, ids < limit).all()
+    shown = ", ".join(  # plain characters: Inductor pastes the message into C++
+        re.sub(r"[^A-Za-z0-9_.]", "_", f"{m.feature} in {m.table_name}").replace("_in_", " in ")
+        + f" 0..{m.num_embeddings - 1}"
+        for m in members[:8]
+    )
+    torch._assert_async(
+        inside,
+        f"embedding id outside its table; valid ids per feature: {shown}"
+        f"{' and more' if len(members) > 8 else ''}. Hash or clip ids into the table",
+    )
 
 
 def locate_bad_id(

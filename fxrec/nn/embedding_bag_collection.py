@@ -14,7 +14,9 @@ per table and load both ways, including from and into TorchRec's collection.
 Input checks (on by default, off with ``fxrec.sparse.set_validation(False)`` or inside
 ``fxrec.sparse.validation_disabled()``): ids outside their table, missing features,
 features with different batch sizes, non-integer ids and non-float weights raise a
-``ValueError`` naming the feature, before any lookup. Features of the input that no table
+``ValueError`` naming the feature, before any lookup. Under ``torch.compile`` the id range
+check is a device assert instead, which is always on (a ``RuntimeError`` listing each
+feature's range). Features of the input that no table
 reads are ignored (a batch often feeds several collections), as in TorchRec.
 """
 
@@ -29,7 +31,7 @@ import torch
 from torch import nn
 
 from fxrec.nn import _fbgemm
-from fxrec.nn.checks import check_dtypes, check_id_ranges
+from fxrec.nn.checks import assert_id_ranges, check_dtypes, check_id_ranges
 from fxrec.nn.config import EmbeddingBagConfig
 from fxrec.nn.functional import embedding_bag_grouped, ids_dtype, shift_ids
 from fxrec.nn.inputs import Plan, as_kjt, batch_size, gather, make_plan
@@ -242,7 +244,9 @@ class EmbeddingBagCollection(nn.Module):
         values, lengths, offsets = kjt.values(), kjt.lengths(), kjt.offsets()
         members = self._members_group_major
         counts = kjt.length_per_key_or_none()
-        if validation_enabled():  # one pass over all ids, before any lookup
+        if is_tracing():  # compiled: a device assert (the host check would break the graph)
+            assert_id_ranges(values, lengths, kjt.stride_per_key(), members)
+        elif validation_enabled():  # one pass over all ids, before any lookup
             counts = kjt.length_per_key()
             check_id_ranges(values, members, counts)
         groups = self._layout.groups

@@ -254,6 +254,9 @@ def embedding_bag_grouped(
     _check_mode(mode, weighted, sparse)
     if offsets.dtype != ids.dtype:
         offsets = offsets.to(ids.dtype)
+    if weighted and per_sample_weights.dtype != weight.dtype:
+        # torch's kernel wants the table's dtype (fbgemm's casts): any float weights work
+        per_sample_weights = per_sample_weights.to(weight.dtype)
     if weighted and mode == "mean":
         # Weighted mean = weighted sum with each weight divided by its bag's size.
         bounds = (

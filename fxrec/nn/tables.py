@@ -36,6 +36,18 @@ class TableGroup(nn.Module):
         self.tables = tables
         self.weight = nn.Parameter(torch.empty(num_rows, dim, device=device, dtype=dtype))
 
+    def materialize(self, like: torch.Tensor) -> None:
+        """A real weight on ``like``'s device and dtype, for a group still on the meta device.
+
+        ``load_state_dict(..., assign=True)`` into a collection built on ``meta`` takes the
+        checkpoint's tensors; a group's tables share one weight, so it is allocated here
+        and each table is copied into its rows.
+        """
+        self.weight = nn.Parameter(
+            torch.empty(self.weight.shape, dtype=like.dtype, device=like.device),
+            requires_grad=self.weight.requires_grad,
+        )
+
     def extra_repr(self) -> str:
         rows, dim = self.weight.shape
         return f"rows={rows}, dim={dim}, pooling={self.pooling!r}, tables={self.tables}"
@@ -124,5 +136,7 @@ class TableView(nn.Module):
                 f"checkpoint, the shape in current model is {torch.Size(shape)}."
             )
             return
+        if local_metadata.get("assign_to_params_buffers", False) and self._group.weight.is_meta:
+            self._group.materialize(src)
         with torch.no_grad():
             self.weight.copy_(src)

@@ -285,6 +285,25 @@ def test_torch_compile_eager_backend() -> None:
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_compiled_collection_checks_every_id_against_its_own_table(backend: str) -> None:
+    """Compiled, the host check gives way to a device assert: an id past its own table but
+    inside the grouped weight still raises instead of reading the next table's rows."""
+    tables = [EmbeddingBagConfig(f"t{i}", 20 - 5 * i, 4, [f"f{i}"]) for i in range(3)]
+    ebc = EmbeddingBagCollection(tables)
+    assert len(ebc.groups) == 1  # one grouped weight of 20 + 15 + 10 rows
+    compiled = torch.compile(ebc, backend=backend)
+    lengths = torch.tensor([1, 1, 1, 1, 1, 1])
+    ok = KeyedJaggedTensor(["f0", "f1", "f2"], torch.tensor([0, 19, 0, 14, 0, 9]), lengths=lengths)
+    torch.testing.assert_close(compiled(ok).values(), ebc(ok).values())
+    for pos, bad in ((3, 15), (5, 10), (0, -1)):  # past t1, past t2, negative
+        ids = ok.values().clone()
+        ids[pos] = bad
+        kjt = KeyedJaggedTensor(ok.keys(), ids, lengths=lengths)
+        with pytest.raises(RuntimeError, match="embedding id outside its table"):
+            compiled(kjt)
+
+
 def test_deepcopy_and_to_keep_views_on_the_group_weight() -> None:
     import copy
 
@@ -314,6 +333,34 @@ def test_meta_device_allocates_nothing() -> None:
     assert {k: tuple(v.shape) for k, v in ebc.state_dict().items()} == {
         f"embedding_bags.t{i}.weight": (10**9, 128) for i in range(4)
     }
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("sparse", [False, True])
+def test_per_sample_weights_of_another_float_dtype(backend: str, sparse: bool) -> None:
+    """Weights are cast to the table's dtype on every path (fbgemm's lookup did; torch's
+    raised), and their gradient comes back in their own dtype."""
+    tables = [t for t in mixed_tables() if t.pooling != "max"]
+    ebc = EmbeddingBagCollection(tables, is_weighted=True, backend=backend, sparse=sparse)
+    kjt = random_kjt(ebc, 3, _gen(2), weighted=True)
+    w64 = kjt.weights().double().requires_grad_()
+    as64 = KeyedJaggedTensor(kjt.keys(), kjt.values(), w64, lengths=kjt.lengths())
+    out = ebc(as64).values()
+    torch.testing.assert_close(out, ebc(kjt).values())
+    out.sum().backward()
+    assert w64.grad is not None and w64.grad.dtype == torch.float64
+
+
+def test_meta_collection_loads_a_checkpoint_with_assign() -> None:
+    """``load_state_dict(assign=True)`` into a collection built on ``meta`` (the usual way
+    to load a large model) gives real weights, on the checkpoint's device."""
+    source = EmbeddingBagCollection(mixed_tables())
+    ebc = EmbeddingBagCollection(mixed_tables(), device="meta")
+    result = ebc.load_state_dict(source.state_dict(), assign=True)
+    assert not result.missing_keys and not result.unexpected_keys
+    assert all(p.device.type == "cpu" for p in ebc.parameters())
+    kjt = random_kjt(source, 3, _gen(1))
+    torch.testing.assert_close(ebc(kjt).values(), source(kjt).values(), rtol=0, atol=0)
 
 
 def test_table_grads_are_the_group_gradient_rows() -> None:
