@@ -244,7 +244,7 @@ class EmbeddingBagCollection(nn.Module):
         values, lengths, offsets = kjt.values(), kjt.lengths(), kjt.offsets()
         members = self._members_group_major
         counts = kjt.length_per_key_or_none()
-        if is_tracing():  # compiled: a device assert (the host check would break the graph)
+        if torch.compiler.is_compiling():  # a device assert (a host check breaks the graph)
             assert_id_ranges(values, lengths, kjt.stride_per_key(), members)
         elif validation_enabled():  # one pass over all ids, before any lookup
             counts = kjt.length_per_key()
