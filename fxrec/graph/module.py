@@ -476,7 +476,7 @@ def _raise_if_model_fails(
         with _preserved_state(model), torch.no_grad():
             model(*args, **kwargs)
     except Exception as exc:
-        raise exc.with_traceback(None) from cause
+        raise exc from cause
 
 
 def _copy_graph(g: fx.Graph) -> fx.Graph:

@@ -157,13 +157,11 @@ class FusedParameters(nn.Module):
 
     def views(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """Each laid-out parameter of ``model`` by name, as a view of its flat parameter."""
-        where = self.locate()
         out: dict[str, torch.Tensor] = {}
         for name, p in model.named_parameters(remove_duplicate=False):
-            loc = where.get(id(p))
-            if loc is not None:
-                flat, how, m = loc
-                out[name] = _member_slice(getattr(self, flat), how, m)
+            view = self.view_of(p)
+            if view is not None:
+                out[name] = view
         return out
 
     def lookup(self, how: str, tensors: Sequence[torch.Tensor]) -> str | None:
