@@ -8,12 +8,13 @@ travel by all-to-all, each written as a request and a wait so that the overlap p
 
 from __future__ import annotations
 
-from fxrec.distributed.comm import CommError, CommStats, init_distributed, stats
+from fxrec.distributed.comm import CommError, CommStats, MissingBatch, init_distributed, stats
 from fxrec.distributed.plan import ShardingPlan, TableSpec, greedy_plan
 from fxrec.distributed.sharded_ebc import ShardedEmbeddingBagCollection, shard, table_specs
 
 __all__ = [
     "CommError",
+    "MissingBatch",
     "CommStats",
     "ShardedEmbeddingBagCollection",
     "ShardingPlan",

@@ -27,6 +27,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "CommError",
+    "MissingBatch",
     "CommStats",
     "blocked",
     "default_backend",
@@ -41,6 +42,16 @@ DEFAULT_TIMEOUT_S = 60.0
 
 class CommError(RuntimeError):
     """A collective did not complete: a peer rank died, hung, or never reached this step."""
+
+
+class MissingBatch(CommError):
+    """Ranks announced they have no batch for this step; ``ended``: a rank's data ended
+    (rather than one batch failing to load), so its peers end too."""
+
+    def __init__(self, message: str, ranks: list[int], ended: bool) -> None:
+        super().__init__(message)
+        self.ranks = ranks
+        self.ended = ended
 
 
 @dataclass

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.fx
 
-from fxrec.distributed.comm import CommError, blocked, translated
+from fxrec.distributed.comm import CommError, MissingBatch, blocked, translated
 from fxrec.sparse import KeyedJaggedTensor, KeyedTensor
 
 __all__ = [
@@ -42,6 +42,7 @@ __all__ = [
     "IdsSplits",
     "assemble_pooled",
     "ABSENT",
+    "ENDED",
     "absent_ranks",
     "key_index",
     "request_absent",
@@ -166,29 +167,31 @@ def request_counts(kjt: KeyedJaggedTensor, layout: IdsLayout) -> CountsHandle:
     return CountsHandle(layout, kjt, work, send, recv, ids_to, batch)
 
 
-ABSENT = -1  # the batch size a rank announces when it has no batch for this exchange
+ABSENT = -1  # the batch size a rank announces when its batch for this exchange failed
+ENDED = -2  # ... and when its data ended
 
 
-def request_absent(layout: IdsLayout) -> CountsHandle:
+def request_absent(layout: IdsLayout, ended: bool = False) -> CountsHandle:
     """Take part in an id-count exchange without a batch (returns at once).
 
     A rank whose next batch failed to load, or whose data ended, still has to meet the other
-    ranks' exchange; announcing :data:`ABSENT` tells them to skip the batch (see
-    :func:`absent_ranks`) instead of sending ids no one will look up.
+    ranks' exchange; announcing :data:`ABSENT` (or :data:`ENDED`) tells them to skip the
+    batch (see :func:`absent_ranks`) instead of sending ids no one will look up.
     """
     pg = _pg(layout.group_name)
-    send = torch.tensor([[0, ABSENT]] * pg.size(), dtype=torch.int64).flatten()
+    code = ENDED if ended else ABSENT
+    send = torch.tensor([[0, code]] * pg.size(), dtype=torch.int64).flatten()
     recv = torch.empty_like(send)
     try:
         work = dist.all_to_all_single(recv, send, group=pg, async_op=True)
     except (RuntimeError, dist.DistError) as exc:
         raise CommError(f"rank {pg.rank()}: could not start the id-count exchange: {exc}") from exc
-    return CountsHandle(layout, None, work, send, recv, [0] * pg.size(), ABSENT)
+    return CountsHandle(layout, None, work, send, recv, [0] * pg.size(), code)
 
 
 def absent_ranks(splits: IdsSplits) -> list[int]:
     """The ranks that announced no batch in this exchange (:func:`request_absent`)."""
-    return [r for r, b in enumerate(splits.batch_sizes) if b == ABSENT]
+    return [r for r, b in enumerate(splits.batch_sizes) if b in (ABSENT, ENDED)]
 
 
 @torch.fx.wrap
@@ -215,9 +218,13 @@ def send_ids(splits: IdsSplits) -> IdsHandle:
     me = pg.rank()
     absent = absent_ranks(splits)
     if absent or kjt is None:
-        raise CommError(
+        ended = any(b == ENDED for b in splits.batch_sizes)
+        raise MissingBatch(
             f"rank {me}: rank(s) {absent or [me]} have no batch for this exchange (their data "
-            "loader failed or ended); no ids are sent, so every rank skips this batch."
+            f"loader {'ended' if ended else 'failed'}); no ids are sent, so every rank skips "
+            "this batch.",
+            absent or [me],
+            ended,
         )
     ids_from, ids_to = splits.ids_from, splits.ids_to
     len_to = [n * splits.batch for n in layout.keys_per_rank]

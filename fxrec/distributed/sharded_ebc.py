@@ -350,9 +350,22 @@ class ShardedEmbeddingBagCollection(nn.Module):
         kjt = as_kjt(features)
         return kjt, dist_ops.request_counts(self._route(kjt), self._layout)
 
-    def request_absent(self) -> dist_ops.CountsHandle:
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (``torch.save``, ``copy.deepcopy``) without the forward a train pipeline
+        installs on this instance while it runs: a copy runs its own forward."""
+        state = dict(self.__dict__)
+        state.pop("forward", None)
+        state.pop("_fxrec_pipeline_forward", None)
+        return state
+
+    @property
+    def process_group(self) -> dist.ProcessGroup:
+        """The group the tables are sharded over."""
+        return dist.distributed_c10d._resolve_process_group(self._group_name)
+
+    def request_absent(self, ended: bool = False) -> dist_ops.CountsHandle:
         """Meet the other ranks' id-count exchange with no batch (they learn to skip it)."""
-        return dist_ops.request_absent(self._layout)
+        return dist_ops.request_absent(self._layout, ended)
 
     def finish(self, local: Any, handle: dist_ops.IdsHandle, kjt: Any) -> KeyedTensor:
         """Lookup of the received ids, pooled all-to-all back, this rank's ``KeyedTensor``."""

@@ -257,9 +257,12 @@ class TrainPipelineSparseDist(TrainPipelineBase):
         self._exhausted = False  # the source ended: progress() accepts a new iterator
         self._next: tuple[int, Any, BaseException | None, str] | None = None
         self._stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
-        from fxrec.train.sparse_dist import InputDist
+        from fxrec.train.sparse_dist import InputDist, RollCall
 
         self._input_dist = InputDist(model)
+        self._roll_call = RollCall.of(self._input_dist.modules)
+        self._announced = False  # the next batch's presence went out in its id-count exchange
+        self._peer_ended = False  # a peer's data ended: this rank stops too
 
     # -- the producer thread -------------------------------------------------------------------
     def _produce(self, source: Iterator[Any]) -> None:
@@ -315,10 +318,20 @@ class TrainPipelineSparseDist(TrainPipelineBase):
                         return _END
 
     def _start(self, source: Iterator[Any]) -> None:
-        if self._thread is not None:
-            self._thread.join()  # it put the end of the last iterator and returned
+        if self._thread is not None:  # the last iterator's reader: ended, or stopped early
+            self._stop.set()
+            self._thread.join(timeout=max(1.0, 20 * self.poll_s))
+            if self._thread.is_alive():
+                logger.warning(
+                    "fxrec pipeline: the last data loader is still blocked inside next(); its "
+                    "thread is a daemon and will not keep the process alive"
+                )
+            self._stop.clear()
+            while not self._queue.empty():
+                self._queue.get_nowait()
+            self._next = None
         self._source = source
-        self._exhausted = False
+        self._exhausted = self._peer_ended = False
         self._thread = threading.Thread(
             target=self._produce, args=(source,), name="fxrec-pipeline-copy", daemon=True
         )
@@ -348,17 +361,21 @@ class TrainPipelineSparseDist(TrainPipelineBase):
                 "TrainPipelineSparseDist reads ahead from its iterator: keep passing the same "
                 "one until it raises StopIteration (then a new one, e.g. the next epoch's)."
             )
+        elif self._exhausted or self._peer_ended:
+            self._exhausted = True
+            raise StopIteration  # (without a roll call: the other ranks heard it once)
         current = self._next if self._next is not None else self._take()
         self._next = None
+        announced, self._announced = self._announced, False
+        if self._roll_call is not None and not announced:
+            self._agree_on(current)
         if current is None:
             self._exhausted = True
             raise StopIteration
         index, batch, exc, stage = current
         self._index = index + 1
         if exc is not None:
-            self.stats.failed += 1
-            self._input_dist.discard()
-            raise PipelineError(index, stage, exc) from exc
+            self._skip(index, exc, stage)
         self._input_dist.probe(batch)
 
         def start_next() -> None:
@@ -370,9 +387,43 @@ class TrainPipelineSparseDist(TrainPipelineBase):
                 except Exception as err:  # a bad next batch fails as itself, not as batch i
                     self._fail_next(err)
             else:  # failed or no more data: the other ranks must hear it, and skip it too
-                self._input_dist.start_absent()
+                self._input_dist.start_absent(ended=self._next is None)
+            self._announced = bool(self._input_dist.enabled)
 
         return self._train(index, batch, after_forward=start_next)
+
+    def _agree_on(self, current: tuple[int, Any, BaseException | None, str] | None) -> None:
+        """Roll call for a batch no id-count exchange announced: raise for it, on every rank,
+        if a rank has none (its loader failed or ended)."""
+        rc = self._roll_call
+        assert rc is not None
+        mine = rc.ENDED if current is None else rc.FAILED if current[2] is not None else rc.HAVE
+        states = rc.call(mine)
+        missing = [r for r, st in enumerate(states) if st != rc.HAVE]
+        if mine != rc.HAVE or not missing:
+            return
+        from fxrec.distributed import MissingBatch
+
+        ended = rc.ENDED in states
+        index = current[0]  # type: ignore[index]
+        err = MissingBatch(
+            f"rank(s) {missing} have no batch {index} (their data loader "
+            f"{'ended' if ended else 'failed'}); every rank skips it.",
+            missing,
+            ended,
+        )
+        self._skip(index, err, "agreeing on it with the other ranks")
+
+    def _skip(self, index: int, err: BaseException, stage: str) -> None:
+        """Raise for batch ``index``, which this rank does not train."""
+        from fxrec.distributed import MissingBatch
+
+        self._index = index + 1
+        self.stats.failed += 1
+        self._input_dist.discard()
+        if isinstance(err, MissingBatch) and err.ended:
+            self._peer_ended = True  # a peer's data ended: this rank's ends with it
+        raise PipelineError(index, stage, err) from err
 
     def _backward_step(self, loss: torch.Tensor) -> None:
         loss.backward()

@@ -28,7 +28,7 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["InputDist"]
+__all__ = ["InputDist", "RollCall"]
 
 
 def _sharded_modules(model: nn.Module) -> list[nn.Module]:
@@ -123,14 +123,14 @@ class InputDist:
         if error is not None:
             raise error
 
-    def start_absent(self) -> None:
-        """This rank has no next batch (its loader failed or ended): take part in the
+    def start_absent(self, ended: bool = False) -> None:
+        """This rank has no next batch (its loader failed, or ``ended``): take part in the
         id-count exchanges anyway, announcing it, so the other ranks skip that batch too
         instead of waiting for ids that never come (call where :meth:`start` would be)."""
         self._finish_probe()
         for m in self.enabled:
             self._drop_stale(m)
-            self._pending[id(m)] = (None, (None, m.request_absent()))
+            self._pending[id(m)] = (None, (None, m.request_absent(ended)))
 
     def _drop_stale(self, m: nn.Module) -> None:
         stale = self._pending.pop(id(m), None)
@@ -169,6 +169,55 @@ class InputDist:
                 del m.forward
                 del m._fxrec_pipeline_forward
         self.enabled = []
+
+
+class RollCall:
+    """Which ranks have the batch about to train: one all-reduce of a flag per rank.
+
+    The id-count exchange of batch i+1 tells every rank which peers have it; a batch that had
+    none (the first of an iterator, or any batch when the collections' forwards run inside a
+    captured graph, as after ``fxrec.optimize``) is agreed on here, so that a rank whose
+    loader failed, or ended early, never leaves the others training a batch against the
+    wrong peers. It runs on a CPU (gloo) group: no device synchronisation.
+    """
+
+    def __init__(self, group: Any) -> None:
+        import torch.distributed as dist
+
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+
+    @staticmethod
+    def of(modules: list[nn.Module]) -> RollCall | None:
+        """For the collections' group, or None in a single process (every rank must build
+        the pipeline at the same point: on a non-gloo backend this creates a gloo group)."""
+        import torch.distributed as dist
+
+        if not modules or not dist.is_initialized():
+            return None
+        group = modules[0].process_group
+        if dist.get_world_size(group) == 1:
+            return None
+        if dist.get_backend(group) != "gloo":
+            group = dist.new_group(ranks=dist.get_process_group_ranks(group), backend="gloo")
+        return RollCall(group)
+
+    HAVE, FAILED, ENDED = 1, 2, 3
+
+    def call(self, state: int) -> list[int]:
+        """Every rank's state (:attr:`HAVE`, :attr:`FAILED` or :attr:`ENDED`); this one's is
+        ``state``."""
+        import torch
+        import torch.distributed as dist
+
+        from fxrec.distributed.comm import translated
+
+        states = torch.zeros(self.world, dtype=torch.int32)
+        states[self.rank] = state
+        with translated("roll call of the ranks' next batch"):
+            dist.all_reduce(states, group=self.group)
+        return states.tolist()
 
 
 def _recording(m: nn.Module, forward: Any, parts: list[Any], seen: dict[int, int | None]) -> Any:
