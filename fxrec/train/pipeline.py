@@ -15,8 +15,9 @@ index (0-based, counting every batch drawn). That batch is skipped; calling
 :meth:`~TrainPipelineBase.progress` again continues with the next batch, and
 :meth:`~TrainPipelineBase.close` (or leaving a ``with`` block) stops the background thread.
 With a sharded collection, :class:`TrainPipelineSparseDist` keeps the ranks in step when
-only one rank loses batch i+1 (its loader fails or its data ends): the other ranks learn it
-in the id-count exchange and raise :class:`PipelineError` for that batch too. No call waits
+only one rank loses a batch (its loader fails or its data ends): the other ranks learn it
+in the id-count exchange, or in a roll call, and raise :class:`PipelineError` for that batch
+too (and stop with a rank whose data ended). No call waits
 forever: queue operations poll a stop flag, and collectives are bounded by the process
 group's timeout.
 """
@@ -416,12 +417,10 @@ class TrainPipelineSparseDist(TrainPipelineBase):
 
     def _skip(self, index: int, err: BaseException, stage: str) -> None:
         """Raise for batch ``index``, which this rank does not train."""
-        from fxrec.distributed import MissingBatch
-
         self._index = index + 1
         self.stats.failed += 1
         self._input_dist.discard()
-        if isinstance(err, MissingBatch) and err.ended:
+        if getattr(err, "ended", False):  # a MissingBatch: a peer's data ended
             self._peer_ended = True  # a peer's data ended: this rank's ends with it
         raise PipelineError(index, stage, err) from err
 
