@@ -17,6 +17,7 @@ topological sort after a pass moves only the nodes that must move.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from collections.abc import Collection, Hashable, Sequence
@@ -24,7 +25,7 @@ from typing import Any
 
 import torch.fx as fx
 
-from fxrec.graph.effects import has_hooks, has_side_effects
+from fxrec.graph.effects import has_hooks, has_side_effects, is_random, mutates_input
 from fxrec.graph.rule import HorizontalRule, LocalRule, RewriteContext, Rule
 from fxrec.graph.search import Reachability, _is_ordered, independent_sets, stable_toposort
 
@@ -130,7 +131,11 @@ def _run_horizontal(
             for part in rule.partition(group, ctx):
                 if len(part) < rule.min_size:
                     continue
-                reason = rule.cost_reason(part, ctx) or rule.refuse_reason(part, ctx)
+                reason = (
+                    _effect_between(part, reach, ctx)
+                    or rule.cost_reason(part, ctx)
+                    or rule.refuse_reason(part, ctx)
+                )
                 if reason is not None:
                     rule.refuse(ctx, part, reason)
                     continue
@@ -140,6 +145,37 @@ def _run_horizontal(
                 reach.merge(part)
                 changed = True
     return changed, deferred
+
+
+def _effect_between(
+    part: Sequence[fx.Node], reach: Reachability, ctx: RewriteContext
+) -> str | None:
+    """Why the fused node may not go where the last member is: an in-place write or a random
+    draw between the members that does not depend on them would then run before reads of
+    the earlier members' results that now wait for the fused node (or after draws they make).
+    """
+    effects = reach.effect_positions(ctx.cached(_reorders_badly))
+    if not effects:
+        return None
+    idx = [reach.index[n] for n in part]
+    lo, hi = min(idx), max(idx)
+    members = reach.mask(part)
+    for pos in effects[bisect.bisect_right(effects, lo) : bisect.bisect_left(effects, hi)]:
+        if not reach.ancestors[pos] & members:
+            return "an in-place write or a random draw lies between the members"
+    return None
+
+
+def _reorders_badly(node: fx.Node) -> bool:
+    """A random draw, or an in-place write to a computed tensor. Writes to module state
+    (BatchNorm's ``num_batches_tracked.add_(1)`` under dynamo) are read by their own module
+    only: moving other reads past them changes nothing."""
+    if is_random(node):
+        return True
+    if not mutates_input(node):
+        return False
+    target = node.kwargs.get("out", node.args[0] if node.args else None)
+    return not (isinstance(target, fx.Node) and target.op == "get_attr")
 
 
 def _buckets(

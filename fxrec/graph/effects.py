@@ -6,6 +6,10 @@ handle the effect explicitly (e.g. the BatchNorm rule keeps running statistics e
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
@@ -16,7 +20,9 @@ __all__ = [
     "has_hooks",
     "has_side_effects",
     "mutates_input",
+    "needs_contiguous",
     "is_random",
+    "member_refusal",
     "written_in_place",
 ]
 
@@ -40,8 +46,11 @@ _RANDOM_FUNCTIONS = {
     torch.normal,
     torch.multinomial,
     torch.poisson,
+    torch.rrelu,
+    F.rrelu,
+    F.gumbel_softmax,
 }
-_RANDOM_METHODS = {"bernoulli", "multinomial"}
+_RANDOM_METHODS = {"bernoulli", "multinomial", "random_", "uniform_", "normal_", "exponential_"}
 
 
 def _owner_module(node: fx.Node) -> nn.Module | None:
@@ -69,11 +78,16 @@ def has_hooks(module: nn.Module) -> bool:
 
 def mutates_input(node: fx.Node) -> bool:
     """True for in-place ops: ``x.relu_()``, ``F.relu(x, inplace=True)``,
-    ``nn.ReLU(inplace=True)``, and ops writing into ``out=`` (``torch.cumsum(x, 0, out=y)``,
-    whose result is often unused: only the write keeps it alive)."""
+    ``nn.ReLU(inplace=True)``, item assignment (``x[:, :2] = 0``), and ops writing into
+    ``out=`` (``torch.cumsum(x, 0, out=y)``, whose result is often unused: only the write
+    keeps it alive)."""
     if node.kwargs.get("inplace") is True or node.kwargs.get("out") is not None:
         return True
+    if node.op == "call_function" and node.target is operator.setitem:
+        return True
     if node.op == "call_method" and isinstance(node.target, str):
+        if node.target == "__setitem__":
+            return True
         return node.target.endswith("_") and not node.target.endswith("__")
     if node.op == "call_function":
         name = getattr(node.target, "__name__", "")
@@ -93,7 +107,7 @@ def is_random(node: fx.Node) -> bool:
     if node.op == "call_method" and node.target in _RANDOM_METHODS:
         return True
     mod = _owner_module(node)
-    return isinstance(mod, nn.modules.dropout._DropoutNd)
+    return isinstance(mod, (nn.modules.dropout._DropoutNd, nn.RReLU))
 
 
 def has_side_effects(node: fx.Node) -> bool:
@@ -111,16 +125,74 @@ def written_in_place(node: fx.Node, depth: int = 3) -> bool:
 
     Fused members come back as views of one tensor produced by a multi-output split;
     autograd forbids writing such views in place, and the write would land in the shared
-    result. Such members are refused.
+    result. Such members are refused. Views of views are followed to any depth; other users
+    (which may return their input, e.g. ``contiguous``) up to ``depth``.
     """
-    work = [(u, 1) for u in node.users]
+    seen: set[fx.Node] = set()
+    work = [(u, node, 1) for u in node.users]
     while work:
-        u, d = work.pop()
-        if mutates_input(u):
+        u, via, d = work.pop()
+        if mutates_input(u) and _written(u) is via:
             return True
-        if d < depth:
-            work.extend((v, d + 1) for v in u.users)
+        if u in seen:
+            continue
+        seen.add(u)
+        if _is_view(u) or d < depth:
+            work.extend((v, u, d + 1) for v in u.users)
     return False
+
+
+def _written(node: fx.Node) -> Any:
+    """What an in-place op writes: its ``out=`` tensor, else its first argument."""
+    out = node.kwargs.get("out")
+    if out is not None:
+        return out
+    if node.op == "call_module":  # nn.ReLU(inplace=True) and the like
+        return node.args[0] if node.args else None
+    return node.args[0] if node.args else node.kwargs.get("input")
+
+
+_VIEW_METHODS = frozenset(
+    {
+        "view", "view_as", "reshape", "reshape_as", "narrow", "t", "transpose", "permute",
+        "expand", "expand_as", "unsqueeze", "squeeze", "select", "split", "chunk", "unbind",
+        "flatten", "unflatten", "__getitem__", "as_strided", "diagonal", "movedim",
+        "swapaxes", "unfold", "detach", "contiguous", "split_with_sizes",
+    }
+)  # fmt: skip
+_VIEW_FUNCTIONS = frozenset(
+    {
+        operator.getitem, torch.split, torch.chunk, torch.unbind, torch.narrow, torch.reshape,
+        torch.flatten, torch.transpose, torch.t, torch.permute, torch.squeeze, torch.unsqueeze,
+        torch.select, torch.movedim, torch.as_strided, torch.detach, torch.Tensor.view,
+    }
+)  # fmt: skip
+
+
+def _is_view(node: fx.Node) -> bool:
+    """May ``node``'s result share memory with its first input?"""
+    if node.op == "call_method":
+        return node.target in _VIEW_METHODS
+    return node.op == "call_function" and node.target in _VIEW_FUNCTIONS
+
+
+def member_refusal(group: Sequence[fx.Node]) -> str | None:
+    """Why these nodes' results cannot become slices of one fused result, or None."""
+    if any(written_in_place(n) for n in group):
+        return "a member's result is written in place: it must stay its own tensor"
+    if any(needs_contiguous(n) for n in group):
+        return "a member's result is .view()-ed, which a strided slice of a fused result refuses"
+    return None
+
+
+def needs_contiguous(node: fx.Node) -> bool:
+    """Is ``node``'s result ``.view()``-ed? Eager ops return contiguous tensors; a fused
+    member is a strided slice of the fused result, which ``view`` cannot take."""
+    return any(
+        (u.op == "call_method" and u.target == "view")
+        or (u.op == "call_function" and u.target is torch.Tensor.view)
+        for u in node.users
+    )
 
 
 _FUNCTIONAL_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd")

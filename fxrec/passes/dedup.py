@@ -111,6 +111,12 @@ def _computation_key(node: fx.Node) -> Any:
         return None
 
 
+def _nodes_in(value: Any) -> list[fx.Node]:
+    found: list[fx.Node] = []
+    fx.node.map_arg(value, found.append)
+    return found
+
+
 def _reading_written_memory(
     graph: fx.Graph,
     mutates: Callable[[fx.Node], bool] = mutates_input,
@@ -128,7 +134,8 @@ def _reading_written_memory(
     work: list[fx.Node] = []
     for n in graph.nodes:
         if mutates(n):
-            work.extend(n.all_input_nodes[:1])
+            out = n.kwargs.get("out")  # an ``out=`` op writes its out tensor(s), not its input
+            work.extend(_nodes_in(out) if out is not None else n.all_input_nodes[:1])
         elif n.op in ("call_function", "call_method") and side_effects(n) and not is_random(n):
             work.extend(n.all_input_nodes)
     while work:

@@ -63,7 +63,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fxrec.graph import meta
-from fxrec.graph.effects import written_in_place
+from fxrec.graph.effects import member_refusal
 from fxrec.graph.pieces import piece_of, split_sizes
 from fxrec.graph.refs import combined, gather_cost_reason, param_info
 from fxrec.graph.rule import HorizontalRule, RewriteContext, register
@@ -447,8 +447,8 @@ class FuseParallelLookups(HorizontalRule):
         )
 
     def refuse_reason(self, group: Sequence[fx.Node], ctx: RewriteContext) -> str | None:
-        if any(written_in_place(n) for n in group):
-            return "a member's result is written in place: it must stay its own tensor"
+        if (why := member_refusal(group)) is not None:
+            return why
         lks: list[Lookup] = [lookup_call(n, ctx) for n in group]  # type: ignore[misc]
         if lks[0].offsets is not None and len(group) < MIN_JAGGED_MEMBERS:
             return (

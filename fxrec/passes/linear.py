@@ -45,7 +45,7 @@ from torch import nn
 
 from fxrec.graph import meta
 from fxrec.graph.cost import inductor_on_cpu
-from fxrec.graph.effects import written_in_place
+from fxrec.graph.effects import member_refusal
 from fxrec.graph.horizontal import Gathered, scatter
 from fxrec.graph.pieces import piece_of
 from fxrec.graph.refs import Ref, combined, gather_cost_reason, param_info
@@ -142,8 +142,8 @@ class FuseLinearSameInput(HorizontalRule):
         return ("linear_same_input", lc.input, in_f, has_bias, ti.dtype, ti.device)
 
     def refuse_reason(self, group: Sequence[fx.Node], ctx: RewriteContext) -> str | None:
-        if any(written_in_place(n) for n in group):
-            return "a member's result is written in place: it must stay its own tensor"
+        if (why := member_refusal(group)) is not None:
+            return why
         lcs: list[LinearCall] = [linear_call(n, ctx) for n in group]  # type: ignore[misc]
         ti = ctx.info(lcs[0].input)
         assert ti is not None
@@ -257,8 +257,8 @@ class FuseLinearBatched(HorizontalRule):
         return ("linear_batched", in_f, out_f, has_bias, ti.shape, ti.dtype, ti.device)
 
     def refuse_reason(self, group: Sequence[fx.Node], ctx: RewriteContext) -> str | None:
-        if any(written_in_place(n) for n in group):
-            return "a member's result is written in place: it must stay its own tensor"
+        if (why := member_refusal(group)) is not None:
+            return why
         lcs: list[LinearCall] = [linear_call(n, ctx) for n in group]  # type: ignore[misc]
         inputs = [lc.input for lc in lcs]
         if len(set(inputs)) == 1:

@@ -43,6 +43,7 @@ from torch import nn
 
 from fxrec.graph import meta
 from fxrec.graph.cost import copy_reason
+from fxrec.graph.effects import member_refusal
 from fxrec.graph.horizontal import Gathered, gather, scatter
 from fxrec.graph.pieces import contiguous_range, piece_of
 from fxrec.graph.refs import Ref, combined, laid_out_or_can_be, param_info, param_node, ref_key
@@ -265,6 +266,8 @@ class FuseParallelLayerNorm(HorizontalRule):
         return ("layer_norm", ln.normalized_shape, ln.eps, ti.shape, ti.dtype, ti.device, w, b)
 
     def refuse_reason(self, group: Sequence[fx.Node], ctx: RewriteContext) -> str | None:
+        if (why := member_refusal(group)) is not None:
+            return why
         lns = [layer_norm_call(n, ctx) for n in group]
         k = len(lns[0].normalized_shape)  # type: ignore[union-attr]
         separate = _layout([ln.input for ln in lns], k) is None  # type: ignore[union-attr]
@@ -403,6 +406,8 @@ class FuseParallelBatchNorm(HorizontalRule):
         return ("batch_norm", bn.training, bn.momentum, bn.eps, dtypes, shape, ti.dtype, ti.device)
 
     def refuse_reason(self, group: Sequence[fx.Node], ctx: RewriteContext) -> str | None:
+        if (why := member_refusal(group)) is not None:
+            return why
         bns: list[BatchNormCall] = [batch_norm_call(n, ctx) for n in group]  # type: ignore[misc]
         for field in ("running_mean", "running_var", "weight", "bias", "counter"):
             refs = [getattr(b, field) for b in bns]

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fxrec.graph.cost import copy_reason
-from fxrec.graph.effects import mutates_input, written_in_place
+from fxrec.graph.effects import member_refusal, mutates_input
 from fxrec.graph.horizontal import Gathered, gather, scatter
 from fxrec.graph.pieces import contiguous_range
 from fxrec.graph.rule import HorizontalRule, RewriteContext, register
@@ -189,8 +189,8 @@ class FuseParallelUnary(HorizontalRule):
     def refuse_reason(self, group: Sequence[fx.Node], ctx: RewriteContext) -> str | None:
         if mutates_input(group[0]):
             return "in-place op: fusing would lose the write to each input"
-        if any(written_in_place(n) for n in group):
-            return "a member's result is written in place: it must stay its own tensor"
+        if (why := member_refusal(group)) is not None:
+            return why
         op = unary_op(group[0], ctx)
         assert op is not None
         if (
@@ -309,8 +309,8 @@ class FuseParallelBinary(HorizontalRule):
         return ("binary", op.name, op.extra, kinds, oi.dtype, oi.device, oi.ndim, oi.shape[:-1])
 
     def refuse_reason(self, group: Sequence[fx.Node], ctx: RewriteContext) -> str | None:
-        if any(written_in_place(n) for n in group):
-            return "a member's result is written in place: it must stay its own tensor"
+        if (why := member_refusal(group)) is not None:
+            return why
         ops = [binary_op(n) for n in group]
         copies = sum(
             isinstance(getattr(ops[0], side), fx.Node)

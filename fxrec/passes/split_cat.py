@@ -163,6 +163,21 @@ def slice_of(node: fx.Node) -> Slice | None:
     return Slice(node, base, d, start, length)
 
 
+def _aliasing_changes(result: fx.Node, base: Any) -> bool:
+    """Would making ``result`` (a copy in the model) a view of ``base`` change what any code
+    sees? It does if either is written in place (the write would reach the other), or if
+    ``result`` is returned while ``base`` is the caller's own tensor (an input or a
+    parameter): the caller would get that tensor itself back."""
+    if written_in_place(result):
+        return True
+    if not isinstance(base, fx.Node):
+        return False
+    if written_in_place(base):
+        return True
+    returned = any(u.op == "output" for u in result.users)
+    return returned and base.op in ("placeholder", "get_attr")
+
+
 @register
 class SlicesToSplit(LocalRule):
     """Disjoint slices of one tensor along one dim become the pieces of one split."""
@@ -176,7 +191,14 @@ class SlicesToSplit(LocalRule):
         by_dim: dict[int, list[Slice]] = {}
         for user in node.users:
             s = slice_of(user)
-            if s is not None and s.base is node and s.dim != 0 and s.length > 0:
+            # a slice written in place stays a slice (a split's pieces refuse in-place writes)
+            if (
+                s is not None
+                and s.base is node
+                and s.dim != 0
+                and s.length > 0
+                and not written_in_place(user)
+            ):
                 by_dim.setdefault(s.dim, []).append(s)
         for dim, slices in sorted(by_dim.items()):
             spans = sorted({(s.start, s.length) for s in slices})
@@ -368,7 +390,7 @@ class CatOfSplit(LocalRule):
             if kind != "cat":
                 return None
             d = dim % bi.ndim
-        if d != first.dim or written_in_place(node):
+        if d != first.dim or _aliasing_changes(node, first.base):
             return None
         return kind, first, pos - first.start, whole
 
@@ -523,6 +545,8 @@ class SplitOfCat(LocalRule):
         items = _items(node)
         if not items or any(mutates_input(u) for it in items for u in it.users):
             return None
+        if any(_aliasing_changes(it, x) for it, x in zip(items, inputs)):
+            return None
         return inputs, items
 
     def rewrite(self, node: fx.Node, match: Any, ctx: RewriteContext) -> None:
@@ -574,7 +598,7 @@ class StackOfPieces(LocalRule):
         bi, oi = meta.info(first.base), ctx.info(node)
         if not isinstance(bi, meta.TensorInfo) or oi is None or not bi.static:
             return None
-        if written_in_place(node):
+        if _aliasing_changes(node, first.base):
             return None
         return first, len(xs), k % oi.ndim
 
