@@ -120,25 +120,24 @@ def has_side_effects(node: fx.Node) -> bool:
     return bool(mod is not None and any(True for _ in mod.buffers()) and mod.training)
 
 
-def written_in_place(node: fx.Node, depth: int = 3) -> bool:
+def written_in_place(node: fx.Node) -> bool:
     """True if an in-place op may write ``node``'s result (directly or through a view of it).
 
     Fused members come back as views of one tensor produced by a multi-output split;
     autograd forbids writing such views in place, and the write would land in the shared
-    result. Such members are refused. Views of views are followed to any depth; other users
-    (which may return their input, e.g. ``contiguous``) up to ``depth``.
+    result. Such members are refused. Users that may share its memory (views, and ops that
+    can return their input as is, e.g. ``contiguous`` or ``to``) are followed to any depth.
     """
     seen: set[fx.Node] = set()
-    work = [(u, node, 1) for u in node.users]
+    work = [(u, node) for u in node.users]
     while work:
-        u, via, d = work.pop()
+        u, via = work.pop()
         if mutates_input(u) and _written(u) is via:
             return True
-        if u in seen:
+        if u in seen or not _is_view(u):
             continue
         seen.add(u)
-        if _is_view(u) or d < depth:
-            work.extend((v, u, d + 1) for v in u.users)
+        work.extend((v, u) for v in u.users)
     return False
 
 
@@ -158,6 +157,9 @@ _VIEW_METHODS = frozenset(
         "expand", "expand_as", "unsqueeze", "squeeze", "select", "split", "chunk", "unbind",
         "flatten", "unflatten", "__getitem__", "as_strided", "diagonal", "movedim",
         "swapaxes", "unfold", "detach", "contiguous", "split_with_sizes",
+        # may return the tensor itself
+        "to", "type", "type_as", "float", "double", "half", "bfloat16", "long", "int",
+        "cpu", "cuda",
     }
 )  # fmt: skip
 _VIEW_FUNCTIONS = frozenset(
