@@ -25,7 +25,13 @@ from typing import Any
 
 import torch.fx as fx
 
-from fxrec.graph.effects import has_hooks, has_side_effects, is_random, mutates_input
+from fxrec.graph.effects import (
+    has_hooks,
+    has_side_effects,
+    is_random,
+    mutates_input,
+    written_target,
+)
 from fxrec.graph.rule import HorizontalRule, LocalRule, RewriteContext, Rule
 from fxrec.graph.search import Reachability, _is_ordered, independent_sets, stable_toposort
 
@@ -174,7 +180,7 @@ def _reorders_badly(node: fx.Node) -> bool:
         return True
     if not mutates_input(node):
         return False
-    target = node.kwargs.get("out", node.args[0] if node.args else None)
+    target = written_target(node)
     return not (isinstance(target, fx.Node) and target.op == "get_attr")
 
 

@@ -24,6 +24,7 @@ __all__ = [
     "is_random",
     "member_refusal",
     "written_in_place",
+    "written_target",
 ]
 
 _STATEFUL_FUNCTIONS = {F.batch_norm, torch.batch_norm, F.instance_norm}
@@ -132,7 +133,7 @@ def written_in_place(node: fx.Node) -> bool:
     work = [(u, node) for u in node.users]
     while work:
         u, via = work.pop()
-        if mutates_input(u) and _written(u) is via:
+        if mutates_input(u) and written_target(u) is via:
             return True
         if u in seen or not _is_view(u):
             continue
@@ -141,7 +142,7 @@ def written_in_place(node: fx.Node) -> bool:
     return False
 
 
-def _written(node: fx.Node) -> Any:
+def written_target(node: fx.Node) -> Any:
     """What an in-place op writes: its ``out=`` tensor, else its first argument."""
     out = node.kwargs.get("out")
     if out is not None:

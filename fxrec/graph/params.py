@@ -57,7 +57,7 @@ class FusedParameters(nn.Module):
         super().__init__()
         self._members: dict[str, tuple[str, list[_Member]]] = {}
         self._by_ids: dict[tuple[str, tuple[int, ...]], str] = {}
-        self._index: dict[int, tuple[str, str, _Member]] | None = None  # locate(), cached
+        self._index: dict[int, tuple[str, str, _Member]] | None = None  # see locate()
         self.frozen = False
 
     def __setstate__(self, state: dict) -> None:
@@ -119,9 +119,7 @@ class FusedParameters(nn.Module):
         For graphs that take a member as an input (a graph dynamo reuses for sibling
         modules): the view carries its gradient to the flat parameter.
         """
-        if self._index is None:
-            self._index = self.locate()
-        loc = self._index.get(id(t))
+        loc = self.locate().get(id(t))
         if loc is None:
             return None
         flat, how, m = loc
@@ -131,10 +129,15 @@ class FusedParameters(nn.Module):
         return {id(m.tensor) for _, ms in self._members.values() for m in ms}
 
     def locate(self) -> dict[int, tuple[str, str, _Member]]:
-        """For every member tensor id: (flat name, layout, member record)."""
-        return {
-            id(m.tensor): (name, how, m) for name, (how, ms) in self._members.items() for m in ms
-        }
+        """For every member tensor id: (flat name, layout, member record); kept until the
+        next layout (read-only for callers)."""
+        if self._index is None:
+            self._index = {
+                id(m.tensor): (name, how, m)
+                for name, (how, ms) in self._members.items()
+                for m in ms
+            }
+        return self._index
 
     def grads(self, model: nn.Module) -> dict[str, torch.Tensor | None]:
         """Each of ``model``'s parameter gradients by name, read through the flat layouts.

@@ -43,13 +43,12 @@ class Reachability:
             self.ancestors.append(acc)
         self._merged_mask = 0  # members of every set fused since construction
         self._merged_anc = 0  # their ancestors
-        self._nodes = list(self.index)
         self._effects: list[int] | None = None
 
     def effect_positions(self, is_effect: Callable[[fx.Node], bool]) -> list[int]:
         """Sorted indices of the nodes ``is_effect`` holds for (computed once)."""
         if self._effects is None:
-            self._effects = [i for i, n in enumerate(self._nodes) if is_effect(n)]
+            self._effects = [i for n, i in self.index.items() if is_effect(n)]
         return self._effects
 
     def knows(self, node: fx.Node) -> bool:

@@ -7,11 +7,11 @@ an id past its table would silently read the next table's rows of the grouped we
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 
 import torch
 
+from fxrec.nn.functional import listed_ranges
 from fxrec.nn.layout import Member
 
 __all__ = ["assert_id_ranges", "check_dtypes", "check_id_ranges", "locate_bad_id"]
@@ -81,15 +81,13 @@ def assert_id_ranges(
     limit = torch.repeat_interleave(per_row, lengths.long(), output_size=values.numel())
     ids = values.long()
     inside = torch.logical_and(ids >= 0, ids < limit).all()
-    shown = ", ".join(  # plain characters: Inductor pastes the message into C++
-        re.sub(r"[^A-Za-z0-9_.]", "_", f"{m.feature} in {m.table_name}").replace("_in_", " in ")
-        + f" 0..{m.num_embeddings - 1}"
-        for m in members[:8]
+    shown = listed_ranges(
+        [f"{m.feature}.{m.table_name}" for m in members], [m.num_embeddings for m in members]
     )
     torch._assert_async(
         inside,
-        f"embedding id outside its table; valid ids per feature: {shown}"
-        f"{' and more' if len(members) > 8 else ''}. Hash or clip ids into the table",
+        f"embedding id outside its table; valid ids per feature.table: {shown}. Hash or clip "
+        "ids into the table",
     )
 
 

@@ -197,16 +197,20 @@ def _how_to_check(ids: torch.Tensor, compiled: bool) -> str:
 
 def _ranges_message(names: Sequence[str], sizes: Sequence[int]) -> str:
     """The device assert's message: plain characters only (Inductor pastes it into C++)."""
+    return (
+        f"embedding id out of range in a fused lookup; valid ids per lookup: "
+        f"{listed_ranges(names, sizes)}. Fix the ids fed to that lookup, or enlarge its table"
+    )
+
+
+def listed_ranges(names: Sequence[str], sizes: Sequence[int]) -> str:
+    """``"a 0..9, b 0..4 and 3 more"`` in characters a C++ string literal takes as they are."""
     shown = [
         f"{re.sub(r'[^A-Za-z0-9_.]', '_', n)} 0..{s - 1}"
         for n, s in zip(names[:_LISTED_RANGES], sizes)
     ]
     more = len(names) - len(shown)
-    listed = ", ".join(shown) + (f" and {more} more" if more > 0 else "")
-    return (
-        f"embedding id out of range in a fused lookup; valid ids per lookup: {listed}. "
-        f"Fix the ids fed to that lookup, or enlarge its table"
-    )
+    return ", ".join(shown) + (f" and {more} more" if more > 0 else "")
 
 
 def out_of_range_error(name: str, value: int, rows: int) -> IndexError:

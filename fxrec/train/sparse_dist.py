@@ -24,6 +24,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from torch import nn
 
 logger = logging.getLogger(__name__)
@@ -182,8 +184,6 @@ class RollCall:
     """
 
     def __init__(self, group: Any) -> None:
-        import torch.distributed as dist
-
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -192,8 +192,6 @@ class RollCall:
     def of(modules: list[nn.Module]) -> RollCall | None:
         """For the collections' group, or None in a single process (every rank must build
         the pipeline at the same point: on a non-gloo backend this creates a gloo group)."""
-        import torch.distributed as dist
-
         if not modules or not dist.is_initialized():
             return None
         group = modules[0].process_group
@@ -208,9 +206,6 @@ class RollCall:
     def call(self, state: int) -> list[int]:
         """Every rank's state (:attr:`HAVE`, :attr:`FAILED` or :attr:`ENDED`); this one's is
         ``state``."""
-        import torch
-        import torch.distributed as dist
-
         from fxrec.distributed.comm import translated
 
         states = torch.zeros(self.world, dtype=torch.int32)

@@ -12,7 +12,11 @@ import torch
 
 import fxrec
 from tests.distributed.launch import run_ranks
-from tests.distributed.test_overlap_pass import tiny_sharded_dlrm
+from tests.distributed.test_overlap_pass import check_steps, tiny_sharded_dlrm
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    torch.testing.assert_close(got, want)
 
 
 def _uneven_steps(rank: int, world: int) -> None:
@@ -22,19 +26,7 @@ def _uneven_steps(rank: int, world: int) -> None:
     first = make_batch(ebc, rank, 4, False)
     opt = fxrec.optimize(model, (torch.randn(4, 6), first), rules=["default", "overlap_comm"])
     sizes = [4, 3, 3, 5] if rank == 0 else [4, 4, 3, 2]  # rank 0 changes size a step earlier
-    for step, b in enumerate(sizes):
-        kjt = make_batch(ebc, rank + 10 * step, b, False)
-        dense = torch.randn(b, 6, generator=torch.Generator().manual_seed(step))
-        want = model(dense, kjt)
-        want.sum().backward()
-        grads = {k: p.grad.clone() for k, p in model.named_parameters()}
-        model.zero_grad()
-        got = opt(dense, kjt)
-        got.sum().backward()
-        torch.testing.assert_close(got, want)
-        for k, g in opt.fxrec_fused.grads(model).items():
-            torch.testing.assert_close(g, grads[k], msg=k)
-        model.zero_grad()
+    check_steps(model, opt, ebc, rank, _close, sizes)
     opt.eval()  # every rank switches together: one new graph each
     with torch.no_grad():
         kjt = make_batch(ebc, rank, 2 + rank, False)

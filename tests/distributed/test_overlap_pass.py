@@ -6,7 +6,7 @@ group (all-to-all is a copy) and, with the sharded collection, on 2 gloo ranks.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import pytest
 import torch
@@ -345,25 +345,38 @@ def tiny_sharded_dlrm(row_wise: tuple[str, ...]) -> tuple[nn.Module, TinyDLRM]:
     return ebc, TinyDLRM(shard(ebc, row_wise=row_wise), width)
 
 
-def check_steps(model: nn.Module, run, ebc: nn.Module, rank: int, check) -> None:
-    """Two training steps of ``run`` against ``model`` on fresh batches: ``check(got, want)``
-    on the outputs and on every parameter's gradient."""
+def check_steps(
+    model: nn.Module, run, ebc: nn.Module, rank: int, check, sizes: Sequence[int] | None = None
+) -> None:
+    """Training steps of ``run`` against ``model`` on fresh batches (local batch sizes
+    ``sizes``, by default two of 4 + rank): ``check(got, want)`` on the outputs and on every
+    parameter's gradient, read by its original name."""
     from tests.distributed.test_sharded_ebc import make_batch
 
-    batch = 4 + rank
-    for step in range(2):
+    def zero() -> None:
+        model.zero_grad()
+        if isinstance(run, nn.Module):
+            run.zero_grad()
+
+    def grads() -> dict:
+        fused = getattr(run, "fxrec_fused", None)
+        if fused is not None:
+            return fused.grads(model)
+        return {k: p.grad for k, p in model.named_parameters()}
+
+    for step, batch in enumerate(sizes or (4 + rank, 4 + rank)):
         kjt = make_batch(ebc, rank + 10 * step, batch, False)
         dense = torch.randn(batch, 6, generator=torch.Generator().manual_seed(step))
         ref = model(dense, kjt)
         ref.sum().backward()
         want = {k: p.grad.clone() for k, p in model.named_parameters()}
-        model.zero_grad()
+        zero()
         got = run(dense, kjt)
         got.sum().backward()
         check(got, ref)
-        for k, p in model.named_parameters():
-            check(p.grad, want[k])
-        model.zero_grad()
+        for k, g in grads().items():
+            check(g, want[k])
+        zero()
 
 
 def _identical(got: torch.Tensor, want: torch.Tensor) -> None:
