@@ -22,9 +22,12 @@ TIMEOUT = 1.5
 def _one_rank_absent(rank: int, world: int, die: bool) -> None:
     if rank == 1:
         if die:
+            dist.barrier()  # the group has formed on rank 0 too: it dies mid-run, not at start
             os._exit(3)  # crashes without a word
         time.sleep(TIMEOUT + 3)  # alive but never reaches the collective
         return
+    if die:
+        dist.barrier()
     t0 = time.monotonic()
     out = torch.empty(2)
     with (
