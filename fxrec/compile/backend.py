@@ -34,6 +34,7 @@ from torch.fx.node import map_aggregate
 
 from fxrec.compile.direct import GraphRecord, graph_sources
 from fxrec.graph.capture import lift_params_to_attrs, prune_attrs
+from fxrec.graph.effects import comm_kind
 from fxrec.graph.optimize_graph import RuleSpec, optimize_graph, resolve_rules
 from fxrec.graph.params import FusedParameters
 from fxrec.graph.report import Report
@@ -171,7 +172,8 @@ def compile_backend(
     ``fxrec.optimize`` passes ``model`` and ``owner`` so that parameters become ``get_attr``
     nodes and are laid out once. The backend's ``report`` attribute accumulates what each
     graph got (one graph per graph break, per recompile), its ``graphs`` attribute a
-    :class:`~fxrec.compile.direct.GraphRecord` of each graph whose parameters were lifted.
+    :class:`~fxrec.compile.direct.GraphRecord` of each graph whose parameters were lifted,
+    its ``communicates`` attribute whether any graph holds a collective.
     """
     inner_fn = inner_backend(inner)
     eager = isinstance(inner, str) and inner == "eager"
@@ -196,6 +198,8 @@ def compile_backend(
             for_inductor=inner_is_inductor,
         )
         fill_example_values(gm)
+        if any(comm_kind(n) for n in gm.graph.nodes):
+            backend.communicates = True  # type: ignore[attr-defined]
         if keep is None:
             return inner_fn(_without_new_attrs(gm), list(example_inputs))
         kept_inputs = [example_inputs[i] for i in keep]
@@ -208,4 +212,5 @@ def compile_backend(
 
     backend.report = rep  # type: ignore[attr-defined]
     backend.graphs = graphs  # type: ignore[attr-defined]
+    backend.communicates = False  # type: ignore[attr-defined]
     return backend

@@ -171,7 +171,9 @@ class OptimizedModule(nn.Module):
     def _owner(self) -> FusedParameters | None:
         return None if self._keep_params else self.fxrec_fused
 
-    def _build(self, key: Any, args: tuple, kwargs: dict) -> Any:
+    @torch.compiler.disable  # built and checked as eager code under an outer torch.compile
+    def _build(self, key: Any, args: tuple, kwargs: dict, example: bool = False) -> Any:
+        """The runner for ``key``; ``example``: built by ``optimize`` on its example inputs."""
         mode = key[0]
         loose = [k for k in self._runners if k[0] == mode and _structure(k) == _structure(key)]
         if loose and (mode in self._communicates or len(self._runners) >= MAX_CACHED_SIGNATURES):
@@ -200,9 +202,36 @@ class OptimizedModule(nn.Module):
                 if note not in self.fxrec_report.notes:
                     self.fxrec_report.notes.append(note)
         if runner is None:
-            runner = self._dynamo_runner()
+            runner = self._checked(self._dynamo_runner(), args, kwargs, example)
         self._runners[key] = runner
         return runner
+
+    def _checked(self, runner: _DynamoRunner, args: tuple, kwargs: dict, example: bool) -> Any:
+        """``runner``, or the model run eagerly if its first call disagrees with the model.
+
+        Dynamo compiles (and fxrec rewrites) on that first call, which this check makes, for
+        every input signature as symbolic traces are checked. Not once the model's graphs
+        communicate: a signature new on one rank (its batch size) would run the check's
+        collectives on that rank alone. Nor in a user's call when the model has hooks: the
+        check would run them twice more (traced graphs are checked with hooks silenced, but
+        dynamo compiles the hooks into its graphs).
+        """
+        if not self._check or self._dynamo_backend.communicates:
+            return runner
+        if not example and any(has_hooks(m) for m in self._submodules):
+            return runner
+        with _preserved_state(self.model), torch.no_grad():
+            reference = self.model(*args, **kwargs)
+        grad = torch.is_grad_enabled()  # the mode training will call it in: one compile
+        if _same_outputs(self.model, runner, args, reference, grad, kwargs):
+            return runner
+        logger.warning(
+            "fxrec: optimized graphs disagree with the model on these inputs; running them eagerly"
+        )
+        note = "check failed: outputs differ on the first inputs of a signature; those run eagerly"
+        if note not in self.fxrec_report.notes:
+            self.fxrec_report.notes.append(note)
+        return _EagerRunner(self.model, self.fxrec_fused)
 
     def _dynamo_runner(self) -> Any:
         """A dynamo capture of the model for one input signature, with a cache of its own.
@@ -545,9 +574,15 @@ def _run_annotating(gm: fx.GraphModule, args: tuple) -> Any:
 
 
 def _same_outputs(
-    model: nn.Module, fn: Any, args: tuple, reference: Any, grad: bool = False
+    model: nn.Module,
+    fn: Any,
+    args: tuple,
+    reference: Any,
+    grad: bool = False,
+    kwargs: dict | None = None,
 ) -> bool:
-    """Does ``fn(*args)`` give ``reference`` (same structure, dtypes, values within tolerance)?
+    """Does ``fn(*args, **kwargs)`` give ``reference`` (same structure, dtypes, values within
+    tolerance)?
 
     ``grad``: run ``fn`` with autograd on. A compiled ``fn`` compiles on this call for the
     grad mode it runs in; checking in the mode training will use saves a second compile.
@@ -555,7 +590,7 @@ def _same_outputs(
     from torch.utils._pytree import tree_flatten
 
     with _preserved_state(model), torch.set_grad_enabled(grad):
-        got = fn(*args)
+        got = fn(*args, **(kwargs or {}))
     a, _ = tree_flatten(reference)
     b, _ = tree_flatten(got)
     if len(a) != len(b):
@@ -600,8 +635,9 @@ def optimize(
             without: parameters are laid out when the first graph is built, which without
             example inputs is the first call, after the optimizer usually exists. Pass False
             there if the optimizer is built after the first call.
-        check: compare the optimized graph with the model on the example inputs and fall back
-            to the captured graph if they differ.
+        check: compare each optimized graph with the model on the first inputs it is built
+            for (the example inputs, then each new signature) and fall back to the captured
+            graph, or the model run eagerly, where they differ.
         backend: what runs the optimized graphs: ``"eager"`` (PyTorch ops as rewritten),
             ``"inductor"`` (``torch.compile`` of fxrec's graphs, with fused parameters laid
             out once, which the ``torch.compile`` plug-ins cannot do since parameters reach
@@ -622,21 +658,7 @@ def optimize(
     if example_inputs is not None:
         if not isinstance(example_inputs, tuple):
             example_inputs = (example_inputs,)
-        key = opt._key(example_inputs, {})
-        runner = opt._build(key, example_inputs, {})
-        if isinstance(runner, _DynamoRunner):
-            # dynamo compiles (and fxrec optimizes) on the first call; check it like a trace.
-            with _preserved_state(model), torch.no_grad():
-                reference = model(*example_inputs)
-            grad = torch.is_grad_enabled()
-            if check and not _same_outputs(model, runner, example_inputs, reference, grad):
-                logger.warning(
-                    "fxrec: optimized graphs disagree with the model on the example inputs; running eagerly"
-                )
-                opt.fxrec_report.notes.append(
-                    "check failed: outputs differ on the example inputs; model runs eagerly"
-                )
-                opt._runners[key] = _EagerRunner(model, opt.fxrec_fused)
+        opt._build(opt._key(example_inputs, {}), example_inputs, {}, example=True)
         opt.fxrec_fused.freeze()  # the optimizer is built on these layouts
         opt.fxrec_report.kernels_before, opt.fxrec_report.kernels_after = _kernels(
             model, opt, example_inputs

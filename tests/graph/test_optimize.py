@@ -185,6 +185,41 @@ def test_wrong_rewrite_is_caught_by_the_check(monkeypatch: pytest.MonkeyPatch) -
     torch.testing.assert_close(opt(*xs), model(*xs))
 
 
+class _Branchy(Scales):
+    """Scales that symbolic tracing cannot follow (a branch on the input): dynamo captures it."""
+
+    def forward(self, x0: torch.Tensor, x1: torch.Tensor, x2: torch.Tensor) -> torch.Tensor:
+        if x0.dim() > 1:
+            x0 = x0 * 1.0
+        return super().forward(x0, x1, x2)
+
+
+@pytest.mark.parametrize("capture", ["symbolic_trace", "dynamo"])
+def test_graphs_built_for_later_signatures_are_checked_too(
+    monkeypatch: pytest.MonkeyPatch, capture: str
+) -> None:
+    class WrongAtFive(StackedScale):
+        name = "test_wrong_at_five"
+
+        def fuse(self, group, ctx):  # type: ignore[override]
+            if ctx.info(group[0].args[0]).shape[0] != 5:
+                return super().fuse(group, ctx)
+            for n in group:
+                ctx.replace(n, n.args[0])  # drops the multiplication
+            ctx.erase_if_dead(group)
+
+    monkeypatch.setenv("FXREC_STRICT", "0")
+    model = Scales() if capture == "symbolic_trace" else _Branchy()
+    opt = fxrec.optimize(model, _inputs(b=4), rules=[WrongAtFive])
+    assert opt.fxrec_report.capture == capture
+    assert not any("check failed" in n for n in opt.fxrec_report.notes)
+    for b in (5, 5, 4):
+        xs = _inputs(b=b)
+        torch.testing.assert_close(opt(*xs), model(*xs))
+    assert any("check failed" in n for n in opt.fxrec_report.notes)
+    torch._dynamo.reset()
+
+
 def test_unknown_rule_name_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="unknown rule 'nope'"):
         fxrec.optimize(Scales(), rules=["nope"])
