@@ -12,6 +12,12 @@ lengths and weights (``async_op=True``, returning a :class:`IdsHandle` that hold
 ``Work`` objects) and :func:`wait_ids` waits for them. The chain request -> wait -> request
 -> wait gives the overlap pass one window per exchange. Ids carry no gradient.
 
+A train pipeline may start batch i+1's id-count exchange before batch i's step ends
+(:func:`started_early`); the :func:`request_counts` of the forward that receives that very
+KJT then takes it over instead of starting its own, and :func:`wait_counts` and
+:func:`send_ids` return what is already known or in flight. That works inside a captured
+graph too, where the pipeline cannot swap the collection's forward.
+
 Every wait runs inside :func:`fxrec.distributed.comm.blocked`: a peer that never arrives
 makes it raise :class:`CommError` after the process group's timeout.
 
@@ -24,8 +30,9 @@ eagerly, that backward exchange also raises :class:`CommError` on a failure
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +57,8 @@ __all__ = [
     "request_ids",
     "request_pooled",
     "send_ids",
+    "started_early",
+    "watch_requests",
     "wait_counts",
     "wait_ids",
     "wait_pooled",
@@ -83,6 +92,14 @@ class CountsHandle:
     recv: torch.Tensor
     ids_to: list[int]
     batch: int
+    sent: IdsHandle | None = None  # the ids, once a pipeline started sending them early
+
+    def drain(self) -> None:
+        """Wait for whatever is in flight (so that its buffers can be released)."""
+        self.work.wait()
+        if self.sent is not None:
+            for w in self.sent.works:
+                w.wait()
 
 
 @dataclass
@@ -95,6 +112,7 @@ class IdsSplits:
     ids_from: list[int]  # ids this rank receives from each source
     batch_sizes: list[int]  # rows each source rank sends (its local batch)
     batch: int
+    sent: IdsHandle | None = None  # ids already in flight (see :class:`CountsHandle`)
 
 
 @dataclass
@@ -147,13 +165,57 @@ def _counts_to(kjt: KeyedJaggedTensor, layout: IdsLayout) -> list[int]:
     return ids_to
 
 
+# Exchanges a train pipeline started ahead of the forward that needs them: id(kjt) -> (kjt,
+# handle); and, while a pipeline probes its first batch, the requests the forward makes.
+_EARLY: dict[int, tuple[KeyedJaggedTensor, CountsHandle]] = {}
+_WATCHED: list[list[tuple[KeyedJaggedTensor, IdsLayout]]] = []
+
+
+def started_early(kjt: KeyedJaggedTensor, handle: CountsHandle | None) -> None:
+    """``handle`` (None: forget it) is the exchange of ``kjt``, started ahead of its forward:
+    that forward's :func:`request_counts` of the same object and layout takes it over."""
+    if handle is None:
+        _EARLY.pop(id(kjt), None)
+    else:
+        _EARLY[id(kjt)] = (kjt, handle)
+
+
+@contextlib.contextmanager
+def watch_requests() -> Iterator[list[tuple[KeyedJaggedTensor, IdsLayout]]]:
+    """The (features, layout) of every :func:`request_counts` made inside the block (how a
+    pipeline learns whether a captured graph hands the batch's KJT to the exchange as is)."""
+    seen: list[tuple[KeyedJaggedTensor, IdsLayout]] = []
+    _WATCHED.append(seen)
+    try:
+        yield seen
+    finally:
+        _WATCHED.remove(seen)
+
+
+def _take_early(kjt: KeyedJaggedTensor, layout: IdsLayout) -> CountsHandle | None:
+    entry = _EARLY.get(id(kjt))
+    if entry is None or entry[0] is not kjt or entry[1].layout != layout:
+        return None
+    del _EARLY[id(kjt)]
+    return entry[1]
+
+
 @torch.fx.wrap
-def request_counts(kjt: KeyedJaggedTensor, layout: IdsLayout) -> CountsHandle:
+def request_counts(kjt: KeyedJaggedTensor, layout: IdsLayout, rows: Any = None) -> CountsHandle:
     """Start telling every owner how many ids and rows it will get (returns at once).
 
     Asynchronous so that the overlap pass can run compute while the counts travel; the
-    split sizes of the ids all-to-all are only known after :func:`wait_counts`.
+    split sizes of the ids all-to-all are only known after :func:`wait_counts`. ``rows``:
+    the :class:`~fxrec.distributed.row_wise.RowShards` that route row-wise features' ids to
+    their row blocks first. An exchange started early for ``kjt`` is taken over.
     """
+    for seen in _WATCHED:
+        seen.append((kjt, layout))
+    early = _take_early(kjt, layout)
+    if early is not None:
+        return early
+    if rows is not None:
+        kjt = rows.route(kjt)
     pg = _pg(layout.group_name)
     kjt = _owner_major(kjt, layout)
     batch = kjt.stride()
@@ -207,12 +269,15 @@ def wait_counts(handle: CountsHandle) -> IdsSplits:
         [c for c, _ in recv],
         [b for _, b in recv],
         handle.batch,
+        handle.sent,
     )
 
 
 @torch.fx.wrap
 def send_ids(splits: IdsSplits) -> IdsHandle:
     """Start sending every key's ids to the rank that owns its table (returns at once)."""
+    if splits.sent is not None:
+        return splits.sent
     layout, kjt = splits.layout, splits.kjt
     pg = _pg(layout.group_name)
     me = pg.rank()

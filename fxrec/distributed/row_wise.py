@@ -67,6 +67,10 @@ class RowShards:
     dims: tuple[int, ...]
     world: int
 
+    def route(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        """``kjt`` with its row-wise features' ids sent to their row blocks (:func:`split_rows`)."""
+        return split_rows(kjt, self)
+
     def wire_keys(self) -> tuple[list[str], list[int]]:
         """Output keys with each row-wise key replaced by its adjacent shard keys."""
         rw = set(self.features)

@@ -36,7 +36,7 @@ from fxrec.distributed import dist_ops
 from fxrec.distributed import row_wise as rowwise
 from fxrec.distributed.comm import group_name
 from fxrec.distributed.plan import ShardingPlan, TableSpec, greedy_plan
-from fxrec.sparse import KeyedJaggedTensor, KeyedTensor, kjt_from_tensordict
+from fxrec.sparse import KeyedJaggedTensor, KeyedTensor, kjt_from_tensordict, prepare_kjt
 
 logger = logging.getLogger(__name__)
 
@@ -333,22 +333,21 @@ class ShardedEmbeddingBagCollection(nn.Module):
     # -- forward ----------------------------------------------------------------------------
     def forward(self, features: Any) -> KeyedTensor:
         kjt = as_kjt(features)
-        counts = dist_ops.request_counts(self._route(kjt), self._layout)
+        counts = dist_ops.request_counts(kjt, self._layout, self._routing)
         splits = dist_ops.wait_counts(counts)
         handle = dist_ops.send_ids(splits)
         return self.finish(dist_ops.wait_ids(handle), handle, kjt)
 
-    def _route(self, kjt: Any) -> Any:
-        """Ids of row-wise tables to their row blocks (nothing to do without any)."""
-        if not self._rows.features:
-            return kjt
-        return rowwise.split_rows(kjt, self._rows)
+    @property
+    def _routing(self) -> rowwise.RowShards | None:
+        """What sends row-wise tables' ids to their row blocks (None without any)."""
+        return self._rows if self._rows.features else None
 
     def request_counts(self, features: Any) -> tuple[Any, dist_ops.CountsHandle]:
         """Start the id-count exchange for ``features`` (returns at once): their KJT and the
         handle for ``wait_counts`` -> ``send_ids`` -> ``wait_ids`` -> :meth:`finish`."""
-        kjt = as_kjt(features)
-        return kjt, dist_ops.request_counts(self._route(kjt), self._layout)
+        kjt = kept_kjt(features)
+        return kjt, dist_ops.request_counts(kjt, self._layout, self._routing)
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled (``torch.save``, ``copy.deepcopy``) without the forward a train pipeline
@@ -426,12 +425,16 @@ def _pooling(config: Any) -> str:
     return str(raw).lower()
 
 
+def _is_tensordict(features: Any) -> bool:
+    return hasattr(features, "batch_size") and hasattr(features, "keys")
+
+
 @torch.fx.wrap
 def as_kjt(features: Any) -> KeyedJaggedTensor:
     """KJT as is; a TensorDict of jagged tensors converted (weights, variable batch kept)."""
     if isinstance(features, KeyedJaggedTensor):
         return features
-    if hasattr(features, "batch_size") and hasattr(features, "keys"):
+    if _is_tensordict(features):
         return kjt_from_tensordict(features)
     try:
         from fxrec.sparse import from_torchrec
@@ -442,6 +445,15 @@ def as_kjt(features: Any) -> KeyedJaggedTensor:
             f"ShardedEmbeddingBagCollection takes a KeyedJaggedTensor or a TensorDict of "
             f"jagged tensors, got {type(features).__name__}"
         ) from exc
+
+
+def kept_kjt(features: Any) -> KeyedJaggedTensor:
+    """:func:`as_kjt`, keeping a TensorDict's KJT with it (``prepare_kjt``): the forward's
+    own conversion of that TensorDict then returns this very KJT, so the forward takes over
+    an exchange started early for it."""
+    if _is_tensordict(features):
+        return prepare_kjt(features)
+    return as_kjt(features)
 
 
 def _lookup(local: nn.Module | None, kjt: Any, width: int) -> Any:

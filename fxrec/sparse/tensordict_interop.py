@@ -188,10 +188,14 @@ def prepare_kjt(td: TensorDictBase, keys: Sequence[str] | None = None) -> KeyedJ
     A later ``kjt_from_tensordict(td, keys)`` (same keys) returns this KJT without work, as
     long as ``td``'s entries are the same objects, unedited; replacing an entry, or editing
     its ids, offsets or weights in place, drops it. This moves the conversion to whoever
-    calls this first: a train pipeline's host stage, off the step.
+    calls this first: a train pipeline's host stage, off the step. Called again, it returns
+    the KJT it kept, while that is still valid.
     """
     keys = list(td.keys()) if keys is None else list(keys)
     entries = _entries(td, keys) if keys else []
+    kept = _lookup(td, keys, entries) if keys else None
+    if kept is not None:  # prepared already, and still valid
+        return kept
     kjt = _convert(td, keys, entries)
     attrs = getattr(td, "__dict__", None)
     if attrs is None:  # a TensorDict type without instance attributes: nothing to keep it in

@@ -1,13 +1,16 @@
 """Send batch i+1's ids to their owning ranks while batch i is still training.
 
 For each :class:`~fxrec.distributed.ShardedEmbeddingBagCollection` in the model, the first
-batch is run normally while a forward pre-hook checks that the collection receives the
-batch's own sparse object (``batch.sparse`` or one element of it, unmodified). If it does,
-its ``forward`` is swapped, on that instance only, for one that consumes ids already on their
-way (TorchRec's pipelines rewrite the sharded modules' forwards the same way). If it does not
-(the model transforms the features first, or the collection sits inside a captured graph
-that no longer calls the module), the collection keeps requesting its own ids in its
-forward and the pipeline only overlaps the reading and copying of batches.
+batch is run normally while a wrapper around its forward checks that the collection receives
+the batch's own sparse object (``batch.sparse`` or one element of it, unmodified). If it
+does, its ``forward`` is swapped, on that instance only, for one that consumes ids already on
+their way (TorchRec's pipelines rewrite the sharded modules' forwards the same way). Inside a
+graph captured by ``fxrec.optimize`` the module is no longer called: there the pipeline
+watches the graph's id-count requests instead, and if one receives the batch's KJT as it is
+(a TensorDict's KJT kept with it), the graph's request takes over the exchange the pipeline
+started (see ``dist_ops.started_early``). Otherwise (the model transforms the features
+first) the collection keeps requesting its own ids in its forward and the pipeline only
+overlaps the reading and copying of batches.
 
 Batch i+1's exchange runs in two asynchronous steps, so that no rank blocks on another in
 the middle of batch i: :meth:`InputDist.start` (between forward and backward) starts the
@@ -21,6 +24,7 @@ ranks then skip that batch too, raising for it, rather than sending ids no rank 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any
 
@@ -48,9 +52,11 @@ class InputDist:
         self.modules = _sharded_modules(model)
         self.enabled: list[nn.Module] = []
         self._probed = not self.modules
-        self._pending: dict[int, tuple[Any, Any]] = {}  # id(module) -> (features, handle)
+        self._pending: dict[int, tuple[Any, Any]] = {}  # id(module) -> (features, (kjt, handle))
         self._where: dict[int, int] = {}  # id(module) -> which part of batch.sparse it reads
+        self._in_graph: set[int] = set()  # id(module) of those whose graph takes exchanges over
         self._probing = False
+        self._watch = contextlib.ExitStack()
 
     def probe(self, batch: Any) -> None:
         """On the first batch: find the collections that receive ``batch.sparse`` itself."""
@@ -65,8 +71,17 @@ class InputDist:
         # graphs (it keys graphs on hooks, which symbolic tracing would otherwise drop).
         for m in self.modules:
             m.forward = _recording(m, m.forward, parts, seen)  # type: ignore[method-assign]
+        from fxrec.distributed import dist_ops
+        from fxrec.distributed.sharded_ebc import kept_kjt
+
+        for part in parts:  # a TensorDict's KJT kept: one its conversion in a graph returns
+            with contextlib.suppress(TypeError, ValueError):
+                kept_kjt(part)
+
+        self._requests = self._watch.enter_context(dist_ops.watch_requests())
         self._probing = True
         self._seen = seen
+        self._parts = parts
 
     def _finish_probe(self) -> None:
         if not self._probing:
@@ -74,11 +89,17 @@ class InputDist:
         for m in self.modules:
             if "forward" in m.__dict__:
                 del m.forward
+        self._watch.close()
         self._probing = False
         for m in self.modules:
             where = self._seen.get(id(m))
             if where is not None:
                 self._install(m)
+            else:
+                where = self._graph_reads(m)
+                if where is not None:
+                    self._in_graph.add(id(m))
+            if where is not None:
                 self.enabled.append(m)
                 self._where[id(m)] = where
             else:
@@ -87,6 +108,21 @@ class InputDist:
                     "are; its ids are sent in its own forward (no early all-to-all)",
                     type(m).__name__,
                 )
+
+    def _graph_reads(self, m: nn.Module) -> int | None:
+        """Which part of the first batch's sparse input a captured graph handed, as it is,
+        to ``m``'s id-count request (None: it transformed it, or never made one)."""
+        from fxrec.distributed.sharded_ebc import as_kjt
+
+        asked = [kjt for kjt, layout in self._requests if layout == m._layout]
+        for i, part in enumerate(self._parts):
+            try:
+                kjt = as_kjt(part)  # a TensorDict: the KJT kept with it in probe()
+            except (TypeError, ValueError):
+                continue
+            if any(a is kjt for a in asked):
+                return i
+        return None
 
     def _install(self, m: nn.Module) -> None:
         original = m.forward
@@ -109,6 +145,8 @@ class InputDist:
         self._finish_probe()
         if not self.enabled:
             return
+        from fxrec.distributed import dist_ops
+
         sparse = batch.sparse
         parts = list(sparse) if isinstance(sparse, (tuple, list)) else [sparse]
         error: Exception | None = None
@@ -117,7 +155,10 @@ class InputDist:
             if error is None:
                 features = parts[self._where[id(m)]]
                 try:
-                    self._pending[id(m)] = (features, m.request_counts(features))
+                    kjt, handle = m.request_counts(features)
+                    self._pending[id(m)] = (features, (kjt, handle))
+                    if id(m) in self._in_graph:
+                        dist_ops.started_early(kjt, handle)
                     continue
                 except Exception as exc:  # a bad batch: the peers still get their exchange
                     error = exc
@@ -148,13 +189,13 @@ class InputDist:
         """
         from fxrec.distributed import dist_ops
 
-        for key, (features, (kjt, handle)) in list(self._pending.items()):
-            if isinstance(handle, dist_ops.CountsHandle):
+        for key, (_, (kjt, handle)) in list(self._pending.items()):
+            if handle.sent is None:
                 splits = dist_ops.wait_counts(handle)
                 if kjt is None:  # this rank announced no batch: nothing to send
                     del self._pending[key]
                     continue
-                self._pending[key] = (features, (kjt, dist_ops.send_ids(splits)))
+                handle.sent = dist_ops.send_ids(splits)
 
     def discard(self) -> None:
         """Drop ids requested for a batch that will not run (wait so buffers are released)."""
@@ -177,8 +218,8 @@ class RollCall:
     """Which ranks have the batch about to train: one all-reduce of a flag per rank.
 
     The id-count exchange of batch i+1 tells every rank which peers have it; a batch that had
-    none (the first of an iterator, or any batch when the collections' forwards run inside a
-    captured graph, as after ``fxrec.optimize``) is agreed on here, so that a rank whose
+    none (the first of an iterator, or any batch when the model transforms the features
+    before its collections, whose ids are then not sent early) is agreed on here, so that a rank whose
     loader failed, or ended early, never leaves the others training a batch against the
     wrong peers. It runs on a CPU (gloo) group: no device synchronisation.
     """
@@ -227,21 +268,20 @@ def _recording(m: nn.Module, forward: Any, parts: list[Any], seen: dict[int, int
 
 
 def _drain(request: Any) -> None:
-    from fxrec.distributed import dist_ops
-
-    _, handle = request
-    if isinstance(handle, dist_ops.CountsHandle):
-        handle.work.wait()
-        return
-    for w in handle.works:
-        w.wait()
-
-
-def _forward_from_ids(m: Any, request: Any) -> Any:
-    """The collection's forward, from an ids request already in flight."""
+    """Wait for an exchange no forward took over; a captured graph no longer may."""
     from fxrec.distributed import dist_ops
 
     kjt, handle = request
-    if isinstance(handle, dist_ops.CountsHandle):  # not advanced (no backward ran in between)
-        handle = dist_ops.send_ids(dist_ops.wait_counts(handle))
-    return m.finish(dist_ops.wait_ids(handle), handle, kjt)
+    if kjt is not None:
+        dist_ops.started_early(kjt, None)
+    handle.drain()
+
+
+def _forward_from_ids(m: Any, request: Any) -> Any:
+    """The collection's forward, from an exchange already in flight (its ids already sent
+    once the backward advanced it; not when no backward ran in between)."""
+    from fxrec.distributed import dist_ops
+
+    kjt, handle = request
+    ids = dist_ops.send_ids(dist_ops.wait_counts(handle))
+    return m.finish(dist_ops.wait_ids(ids), ids, kjt)

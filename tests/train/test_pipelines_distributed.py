@@ -1,5 +1,6 @@
 """Both pipelines on 2 gloo ranks with a sharded embedding collection: the same losses and
-parameters, and the overlapping pipeline really sends batch i+1's ids early."""
+parameters, and the overlapping pipeline really sends batch i+1's ids early (also to a
+collection inside a graph captured by fxrec.optimize)."""
 
 from __future__ import annotations
 
@@ -24,17 +25,20 @@ def _have_collection() -> bool:
 
 
 class ShardedRanker(nn.Module):
-    def __init__(self, ebc: nn.Module) -> None:
+    def __init__(self, ebc: nn.Module, reorder: bool = False) -> None:
         super().__init__()
         self.ebc = ebc
+        self.reorder = reorder  # the collection gets a new KJT: its ids cannot be sent early
         self.dense_arch = nn.Linear(DENSE, 4)
         self.over = nn.Linear(4 + 4 * len(KEYS), 1)
 
     def forward(self, dense, sparse):
+        if self.reorder:
+            sparse = sparse.permute([2, 1, 0])
         return self.over(torch.cat([self.dense_arch(dense), self.ebc(sparse).values()], 1))
 
 
-def _build(row_wise: tuple[str, ...] = ()):
+def _build(row_wise: tuple[str, ...] = (), reorder: bool = False):
     from fxrec.distributed import shard
     from fxrec.nn import EmbeddingBagCollection, EmbeddingBagConfig
 
@@ -44,26 +48,43 @@ def _build(row_wise: tuple[str, ...] = ()):
         for i, k in enumerate(KEYS)
     ]
     ebc = EmbeddingBagCollection(tables=tables, is_weighted=True)
-    model = ShardedRanker(shard(ebc, row_wise=row_wise))
+    model = ShardedRanker(shard(ebc, row_wise=row_wise), reorder)
     return model, torch.optim.SGD(model.parameters(), lr=0.1)
 
 
-def _pipelines_agree(rank: int, world: int, input_type: str, row_wise: tuple[str, ...]) -> None:
+def _pipelines_agree(
+    rank: int, world: int, input_type: str, row_wise: tuple[str, ...], optimized: bool
+) -> None:
+    import fxrec
     from fxrec.distributed import dist_ops
 
     batches = make_batches(KEYS, 5, input_type=input_type, weighted=True, seed=10 + rank)
     results = []
     for cls in (TrainPipelineBase, TrainPipelineSparseDist):
         model, opt = _build(row_wise)
-        with cls(model, opt) as pipe:
+        run = model
+        if optimized:  # the collection runs inside the graph: its forward is never called
+            run = fxrec.optimize(model, (batches[0].dense, batches[0].sparse))
+            opt = torch.optim.SGD(run.parameters(), lr=0.1)
+        taken: list[object] = []  # exchanges started early that a forward took over
+        take = dist_ops._take_early
+
+        def spy_take(kjt, layout, take=take, taken=taken):  # type: ignore[no-untyped-def]
+            handle = take(kjt, layout)
+            if handle is not None:
+                taken.append(handle)
+            return handle
+
+        dist_ops._take_early = spy_take
+        with cls(run, opt) as pipe:
             it = iter(batches)
             losses = []
-            before_advance: list[type] = []
+            before_advance: list[bool] = []
             if cls is TrainPipelineSparseDist:  # what is in flight when the backward ends
                 advance = pipe._input_dist.advance
 
                 def spy(advance=advance, dist=pipe._input_dist, seen=before_advance):
-                    seen.extend(type(p[1][1]) for p in dist._pending.values())
+                    seen.extend(p[1][1].sent is not None for p in dist._pending.values())
                     advance()
 
                 pipe._input_dist.advance = spy
@@ -73,10 +94,13 @@ def _pipelines_agree(rank: int, world: int, input_type: str, row_wise: tuple[str
                     assert len(pipe._input_dist.enabled) == 1, "ids were not sent early"
                     # after a step, the next batch's ids are in flight (not only its counts)
                     (pending,) = pipe._input_dist._pending.values()
-                    assert isinstance(pending[1][1], dist_ops.IdsHandle)
+                    assert pending[1][1].sent is not None
+        dist_ops._take_early = take
         if cls is TrainPipelineSparseDist:
             # between forward and backward only the counts were started: nothing blocked
-            assert before_advance and set(before_advance) == {dist_ops.CountsHandle}
+            assert before_advance and not any(before_advance)
+            # inside the graph, every batch but the first took over its early exchange
+            assert len(taken) == (len(batches) - 1 if optimized else 0)
         results.append((losses, params(model)))
     (l0, p0), (l1, p1) = results
     assert l1 == pytest.approx(l0, rel=1e-6, abs=1e-7)
@@ -87,11 +111,20 @@ def _pipelines_agree(rank: int, world: int, input_type: str, row_wise: tuple[str
 
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(not _have_collection(), reason="needs fxrec.nn.EmbeddingBagCollection")
-@pytest.mark.parametrize("input_type,row_wise", [("kjt", ()), ("td", ()), ("kjt", ("t1",))])
-def test_two_ranks_same_losses_and_parameters(input_type, row_wise):
+@pytest.mark.parametrize(
+    "input_type,row_wise,optimized",
+    [
+        ("kjt", (), False),
+        ("td", (), False),
+        ("kjt", ("t1",), False),
+        ("kjt", (), True),
+        ("td", ("t1",), True),
+    ],
+)
+def test_two_ranks_same_losses_and_parameters(input_type, row_wise, optimized):
     from tests.distributed.launch import run_ranks
 
-    run_ranks(2, _pipelines_agree, input_type, row_wise, timeout=30.0, deadline=100.0)
+    run_ranks(2, _pipelines_agree, input_type, row_wise, optimized, timeout=30.0, deadline=100.0)
 
 
 class _Loader:
@@ -113,12 +146,15 @@ class _Loader:
         return self.batches[i]
 
 
-def _one_rank_loses_a_batch(rank: int, world: int, fail: int, optimized: bool) -> None:
+def _one_rank_loses_a_batch(
+    rank: int, world: int, fail: int, optimized: bool, reorder: bool
+) -> None:
     """Rank 1's loader fails at batch ``fail`` and ends one batch early. Every rank skips
     that batch and rank 0 its last: it hears of them in the id-count exchange, or in the roll
-    call for batches no exchange announced (the first one; every one when the collection
-    runs inside an optimized graph). The losses and parameters are those of the base
-    pipeline fed only the batches every rank trained on."""
+    call for batches no exchange announced (the first one; every one when the model gives
+    its collection a KJT of its own, whose ids the pipeline cannot send early). The losses
+    and parameters are those of the base pipeline fed only the batches every rank trained
+    on."""
     import fxrec
     from fxrec.distributed import CommError
     from fxrec.train import PipelineError
@@ -127,7 +163,7 @@ def _one_rank_loses_a_batch(rank: int, world: int, fail: int, optimized: bool) -
     batches = make_batches(KEYS, n, input_type="kjt", weighted=True, seed=20 + rank)
 
     def build():  # type: ignore[no-untyped-def]
-        model, opt = _build()
+        model, opt = _build(reorder=reorder)
         if not optimized:
             return model, model, opt
         run = fxrec.optimize(model, (batches[0].dense, batches[0].sparse))
@@ -148,6 +184,7 @@ def _one_rank_loses_a_batch(rank: int, world: int, fail: int, optimized: bool) -
                 if rank == 0:
                     assert isinstance(exc.__cause__, CommError)
                     assert "rank(s) [1] have no batch" in str(exc.__cause__)
+        assert len(pipe._input_dist.enabled) == (0 if reorder else 1)  # ids sent early or not
     expected = [(fail, "OSError")] if rank == 1 else [(fail, "MissingBatch"), (5, "MissingBatch")]
     assert events == expected
     ref_model, ref_run, ref_opt = build()
@@ -162,11 +199,16 @@ def _one_rank_loses_a_batch(rank: int, world: int, fail: int, optimized: bool) -
 
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(not _have_collection(), reason="needs fxrec.nn.EmbeddingBagCollection")
-@pytest.mark.parametrize(("fail", "optimized"), [(2, False), (0, False), (2, True)])
-def test_a_batch_missing_on_one_rank_is_skipped_on_every_rank(fail: int, optimized: bool):
+@pytest.mark.parametrize(
+    ("fail", "optimized", "reorder"),
+    [(2, False, False), (0, False, False), (2, True, False), (0, True, False), (2, True, True)],
+)
+def test_a_batch_missing_on_one_rank_is_skipped_on_every_rank(
+    fail: int, optimized: bool, reorder: bool
+):
     from tests.distributed.launch import run_ranks
 
-    run_ranks(2, _one_rank_loses_a_batch, fail, optimized, timeout=10.0, deadline=100.0)
+    run_ranks(2, _one_rank_loses_a_batch, fail, optimized, reorder, timeout=10.0, deadline=100.0)
 
 
 def _saves_while_training(rank: int, world: int) -> None:
