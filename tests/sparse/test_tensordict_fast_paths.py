@@ -158,6 +158,16 @@ def test_replacing_an_entry_drops_the_prepared_kjt() -> None:
     assert got.values().tolist() == [0, 1, 2, 9, 9, 4, 5, 6]
 
 
+def test_preparing_again_keeps_the_kjt_until_the_ids_change() -> None:
+    td = _td()
+    prepared = prepare_kjt(td)
+    assert prepare_kjt(td) is prepared  # still valid: no second conversion
+    td["a"].values().add_(1)  # an in-place edit of the ids
+    again = prepare_kjt(td)
+    assert again is not prepared and again.values().tolist()[0] == 1
+    assert kjt_from_tensordict(td) is again
+
+
 def test_replacing_a_weight_drops_the_prepared_kjt() -> None:
     ids = torch.nested.nested_tensor_from_jagged(torch.tensor([1, 2]), torch.tensor([0, 1, 2]))
     w = torch.nested.nested_tensor_from_jagged(torch.tensor([0.5, 1.5]), ids.offsets())
