@@ -102,11 +102,14 @@ class FbgemmGroupMeta:
         t = self._tensors.get(device)
         if t is None:
             d = self.dim
-            t = (
-                torch.tensor([r * d for r in self._row_offsets], dtype=torch.long, device=device),
-                torch.arange(0, (self.num_members + 1) * d, d, dtype=torch.int32, device=device),
-                torch.tensor([*self._row_offsets, self._num_rows], dtype=torch.long, device=device),
-            )
+            with torch.inference_mode(False):  # kept for training calls too
+                t = (
+                    torch.tensor([r * d for r in self._row_offsets], dtype=torch.long, device=device),
+                    torch.arange(0, (self.num_members + 1) * d, d, dtype=torch.int32, device=device),
+                    torch.tensor(
+                        [*self._row_offsets, self._num_rows], dtype=torch.long, device=device
+                    ),
+                )
             self._tensors[device] = t
         return t
 

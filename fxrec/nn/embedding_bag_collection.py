@@ -420,19 +420,23 @@ class EmbeddingBagCollection(nn.Module):
         return plan
 
     def _const(self, gi: int, device: torch.device, what: str) -> Any:
-        """Small per-group constant tensors, built once per device."""
+        """Small per-group constant tensors, built once per device (outside inference mode:
+        a first call under ``torch.inference_mode`` must not make them unusable in training)."""
         key = (gi, device, what)
         c = self._device_consts.get(key)
         if c is None:
-            if what == "row_offsets":  # every member's first row in its group, group-major
-                offs = [m.row_offset for m in self._members_group_major]
-                c = torch.tensor(offs, dtype=torch.long, device=device)
-            else:
-                g = self._layout.groups[gi]
-                offs = [self._layout.members[mi].row_offset for mi in g.members]
-                c = _fbgemm.FbgemmGroupMeta(offs, g.dim, g.num_rows)
+            with torch.inference_mode(False):
+                c = self._build_const(gi, device, what)
             self._device_consts[key] = c
         return c
+
+    def _build_const(self, gi: int, device: torch.device, what: str) -> Any:
+        if what == "row_offsets":  # every member's first row in its group, group-major
+            offs = [m.row_offset for m in self._members_group_major]
+            return torch.tensor(offs, dtype=torch.long, device=device)
+        g = self._layout.groups[gi]
+        offs = [self._layout.members[mi].row_offset for mi in g.members]
+        return _fbgemm.FbgemmGroupMeta(offs, g.dim, g.num_rows)
 
 
 def _runs(layout: Layout) -> list[tuple[int, int, int]]:

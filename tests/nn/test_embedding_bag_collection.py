@@ -382,3 +382,12 @@ def test_without_fbgemm_runs_pure_torch(monkeypatch: pytest.MonkeyPatch) -> None
     check_against_reference(ebc, random_kjt(ebc, 4, _gen(9)))
     with pytest.raises(ValueError, match="needs fbgemm_gpu"):
         EmbeddingBagCollection(mixed_tables(), backend="fbgemm")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_first_call_under_inference_mode_keeps_training_calls_working(backend: str) -> None:
+    # constants built on the first call must not be inference tensors (autograd refuses them)
+    ebc = EmbeddingBagCollection(mixed_tables(), backend=backend)
+    with torch.inference_mode():
+        ebc(random_kjt(ebc, batch=4, gen=_gen(0)))
+    check_against_reference(ebc, random_kjt(ebc, batch=4, gen=_gen(1)))
