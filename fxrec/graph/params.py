@@ -58,6 +58,7 @@ class FusedParameters(nn.Module):
         self._members: dict[str, tuple[str, list[_Member]]] = {}
         self._by_ids: dict[tuple[str, tuple[int, ...]], str] = {}
         self._index: dict[int, tuple[str, str, _Member]] | None = None  # see locate()
+        self._synced: dict[str, bool] = {}  # each flat parameter's flag at the last sync
         self.frozen = False
 
     def __setstate__(self, state: dict) -> None:
@@ -79,27 +80,32 @@ class FusedParameters(nn.Module):
         self.frozen = True
 
     def sync_requires_grad(self) -> None:
-        """Give each flat parameter its members' ``requires_grad`` (changed after layout).
+        """Keep each flat parameter's ``requires_grad`` and its members' the same.
 
-        Freezing every member of a flat parameter freezes it; freezing only some cannot be
-        expressed by one tensor, so it raises with what to do instead.
+        A flag set on the flat parameter since the last sync (``opt.requires_grad_(False)``,
+        which reaches the flat parameters, not the members) goes to its members; otherwise
+        the members' flags (``opt.model.tower.requires_grad_(False)``) go to it. Freezing
+        only some members cannot be expressed by one tensor, so it raises with what to do.
         """
         for name, (_, members) in self._members.items():
             flat = getattr(self, name)
             if not isinstance(flat, nn.Parameter):
                 continue
             wanted = flat.requires_grad
-            if all(m.tensor.requires_grad is wanted for m in members):
-                continue
-            flags = {m.tensor.requires_grad for m in members}
-            if len(flags) > 1:
-                raise RuntimeError(
-                    f"fxrec: some parameters laid out together in fxrec_fused.{name} have "
-                    "requires_grad=False and others True; they share one tensor. Freeze "
-                    "parameters before fxrec.optimize (frozen ones are not fused with trainable "
-                    "ones), or optimize with keep_params=True."
-                )
-            flat.requires_grad_(flags.pop())
+            if wanted is not self._synced.get(name, wanted):
+                for m in members:
+                    m.tensor.requires_grad_(wanted)
+            elif any(m.tensor.requires_grad is not wanted for m in members):
+                flags = {m.tensor.requires_grad for m in members}
+                if len(flags) > 1:
+                    raise RuntimeError(
+                        f"fxrec: some parameters laid out together in fxrec_fused.{name} have "
+                        "requires_grad=False and others True; they share one tensor. Freeze "
+                        "parameters before fxrec.optimize (frozen ones are not fused with "
+                        "trainable ones), or optimize with keep_params=True."
+                    )
+                flat.requires_grad_(flags.pop())
+            self._synced[name] = flat.requires_grad
 
     def copy_layouts(self, memo: dict[int, object]) -> FusedParameters:
         """The same layouts over deep copies of the members (``memo``: ``copy.deepcopy``'s)."""

@@ -185,6 +185,28 @@ def test_freezing_laid_out_parameters_after_optimize() -> None:
 
 
 @pytest.mark.parametrize("untraceable", [False, True], ids=["symbolic", "dynamo"])
+def test_freezing_and_unfreezing_the_whole_optimized_module(untraceable: bool) -> None:
+    # requires_grad_ on the optimized module reaches the flat parameters, not the members:
+    # the next call must not undo it from the members' flags (nor the reverse).
+    model = Norms(untraceable=untraceable)
+    opt = fxrec.optimize(model, (torch.randn(8, 4 * D),))
+    x = torch.randn(8, 4 * D)
+    opt.requires_grad_(False)
+    assert not opt(x).requires_grad
+    assert not any(p.requires_grad for p in [*opt.parameters(), *model.parameters()])
+    for norm in model.norms:  # frozen through the model: the flat parameters follow
+        norm.requires_grad_(True)
+    assert opt(x).requires_grad
+    model.norms.requires_grad_(False)
+    opt(x)
+    opt.requires_grad_(True)  # the whole module again: the members follow
+    out = opt(x)
+    assert all(p.requires_grad for p in model.parameters())
+    out.sum().backward()
+    assert all(g is not None for g in _grads(opt, model).values())
+
+
+@pytest.mark.parametrize("untraceable", [False, True], ids=["symbolic", "dynamo"])
 def test_deepcopy_trains_independently(untraceable: bool) -> None:
     model = Norms(untraceable=untraceable)
     opt = fxrec.optimize(model, (torch.randn(8, 4 * D),))
