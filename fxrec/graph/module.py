@@ -327,6 +327,31 @@ class OptimizedModule(nn.Module):
             if id(p) not in members:
                 yield name, p
 
+    @property
+    def _ddp_params_and_buffers_to_ignore(self) -> list[str]:
+        """What ``DistributedDataParallel`` leaves alone: the laid-out members (read as
+        ``model.*``), whose values and gradients live in the flat parameters it syncs.
+
+        DDP finds parameters by walking every submodule, past ``named_parameters``; it would
+        wait for gradients the members never get. Names the model itself asks DDP to ignore
+        (or set on this module) are kept.
+        """
+        members = self.fxrec_fused.member_ids()
+        names = [
+            f"model.{name}"
+            for name, t in [
+                *self.model.named_parameters(remove_duplicate=False),
+                *self.model.named_buffers(remove_duplicate=False),
+            ]
+            if id(t) in members
+        ]
+        own = getattr(self.model, "_ddp_params_and_buffers_to_ignore", ())
+        return [*names, *(f"model.{n}" for n in own), *self.__dict__.get("_ddp_ignored", ())]
+
+    @_ddp_params_and_buffers_to_ignore.setter
+    def _ddp_params_and_buffers_to_ignore(self, names: list[str]) -> None:
+        self.__dict__["_ddp_ignored"] = list(names)
+
     def _apply(self, fn: Any, recurse: bool = True) -> OptimizedModule:  # type: ignore[override]
         super()._apply(fn, recurse)
         self.fxrec_fused.relink()
