@@ -109,6 +109,8 @@ class OptimizedModule(nn.Module):
         self._submodules = list(model.modules())
         self.fxrec_report = Report()
         self.train(model.training)
+        self._register_load_state_dict_pre_hook(_keys_under_model, with_module=True)
+        self.register_load_state_dict_post_hook(_missing_keys_as_saved)
 
     # -- running -----------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -390,6 +392,36 @@ class OptimizedModule(nn.Module):
         out.train(self.training)
         memo[id(self)] = out
         return out
+
+
+def _keys_under_model(
+    module: OptimizedModule,
+    state_dict: dict[str, Any],
+    prefix: str,
+    local_metadata: dict[str, Any],
+    *args: Any,
+) -> None:
+    """Loaded as another module's child, this module gets the model's keys (its
+    ``state_dict`` gives them) at ``prefix``; PyTorch then loads its children, so they go
+    under ``model.`` (every key: the model may have a child named ``model`` itself)."""
+    if local_metadata.get("assign_to_params_buffers"):
+        raise ValueError(
+            "fxrec: load_state_dict(assign=True) would detach laid-out parameters; load with "
+            "assign=False"
+        )
+    module.__dict__["_loading_prefix"] = prefix
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        state_dict[f"{prefix}model.{key[len(prefix) :]}"] = state_dict.pop(key)
+
+
+def _missing_keys_as_saved(module: OptimizedModule, incompatible: Any) -> None:
+    """Missing keys named as the checkpoint names them, without the ``model.`` step."""
+    prefix = module.__dict__.pop("_loading_prefix", None)
+    if prefix is None:
+        return
+    inner = f"{prefix}model."
+    keys = incompatible.missing_keys
+    keys[:] = [prefix + k[len(inner) :] if k.startswith(inner) else k for k in keys]
 
 
 def _own_code(model: nn.Module) -> Any:

@@ -210,6 +210,9 @@ class FusedParameters(nn.Module):
             for m in members:
                 m.tensor.data = _member_slice(flat.data, how, m)
 
+    def _load_from_state_dict(self, *args: object, **kwargs: object) -> None:
+        """Nothing of its own to load: checkpoints hold the members, which write through."""
+
     def _apply(self, fn, recurse=True):  # type: ignore[override]
         out = super()._apply(fn, recurse)
         self.relink()

@@ -184,6 +184,34 @@ def test_freezing_laid_out_parameters_after_optimize() -> None:
         opt(x)
 
 
+def test_checkpoints_of_a_module_holding_an_optimized_one() -> None:
+    """Saved and loaded as another module's child: the original model's keys, both ways."""
+
+    class Wrapper(nn.Module):
+        def __init__(self, net: nn.Module) -> None:
+            super().__init__()
+            self.net, self.head = net, nn.Linear(4 * D, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.net(x))
+
+    wrapped = Wrapper(fxrec.optimize(Norms(), (torch.randn(8, 4 * D),)))
+    plain = Wrapper(Norms())
+    for norm in plain.net.norms:  # other values than the optimized copy's
+        nn.init.normal_(norm.weight)
+        nn.init.normal_(norm.bias)
+    assert list(wrapped.state_dict()) == list(plain.state_dict())
+    wrapped.load_state_dict(plain.state_dict())
+    x = torch.randn(8, 4 * D)
+    torch.testing.assert_close(wrapped(x), plain(x))
+    plain.load_state_dict(wrapped.state_dict())
+    partial = {k: v for k, v in plain.state_dict().items() if k != "net.norms.1.bias"}
+    with pytest.raises(RuntimeError, match=r"Missing key\(s\) in state_dict: \"net.norms.1.bias"):
+        wrapped.load_state_dict(partial)
+    with pytest.raises(ValueError, match="assign=True"):
+        wrapped.load_state_dict(plain.state_dict(), assign=True)
+
+
 @pytest.mark.parametrize("untraceable", [False, True], ids=["symbolic", "dynamo"])
 def test_freezing_and_unfreezing_the_whole_optimized_module(untraceable: bool) -> None:
     # requires_grad_ on the optimized module reaches the flat parameters, not the members:
