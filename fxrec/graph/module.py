@@ -41,6 +41,22 @@ __all__ = ["OptimizedModule", "optimize"]
 
 MAX_CACHED_SIGNATURES = 8
 
+# How many parameters any module registered (``module.weight = nn.Parameter(...)`` too):
+# a change tells an optimized module to look whether its model's parameters were replaced.
+_registered = [0]
+_registration_hook: Any = None
+
+
+def _count_registrations() -> int:
+    global _registration_hook
+    if _registration_hook is None:
+
+        def count(module: nn.Module, name: str, param: Any) -> None:
+            _registered[0] += 1
+
+        _registration_hook = nn.modules.module.register_module_parameter_registration_hook(count)
+    return _registered[0]
+
 
 def _signature(x: Any) -> Any:
     """A hashable description of the inputs: dense shapes exactly, sparse inputs by keys only.
@@ -107,6 +123,8 @@ class OptimizedModule(nn.Module):
         self._communicates: set[Any] = set()
         self._dynamo_backend: Any = None
         self._submodules = list(model.modules())
+        self._params_seen = _count_registrations()
+        self._params = dict(model.named_parameters(remove_duplicate=False))
         self.fxrec_report = Report()
         self.train(model.training)
         self._register_load_state_dict_pre_hook(_keys_under_model, with_module=True)
@@ -116,6 +134,8 @@ class OptimizedModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if kwargs:
             args, kwargs = self._bind(args, kwargs)
+        if _registered[0] != self._params_seen:
+            self._check_params()
         key = self._key(args, kwargs)
         runner = self._runners.get(key)
         if runner is None:
@@ -129,6 +149,28 @@ class OptimizedModule(nn.Module):
             raise
         self.fxrec_fused.freeze()  # the first call's layouts are the ones the optimizer holds
         return out
+
+    def _check_params(self) -> None:
+        """Graphs bake the model's parameter objects in: rebuild them after one was replaced
+        (``model.fc.weight = nn.Parameter(w)``); a laid-out member replaced cannot be (its
+        values live in the flat parameter the optimizer holds), so that raises."""
+        now = dict(self.model.named_parameters(remove_duplicate=False))
+        changed = [n for n in {*now, *self._params} if now.get(n) is not self._params.get(n)]
+        if changed:
+            members = self.fxrec_fused.member_ids()
+            laid_out = [n for n in changed if id(self._params.get(n)) in members]
+            if laid_out:
+                raise RuntimeError(
+                    f"fxrec: parameter {laid_out[0]!r} was replaced after fxrec.optimize, but "
+                    "its values live in a flat parameter (fxrec_fused.*) that the optimizer "
+                    "holds. Copy new values into it in place (`with torch.no_grad(): "
+                    "param.copy_(new)`), or put the old parameter back and optimize again."
+                )
+            logger.info("fxrec: parameters %s were replaced; rebuilding graphs", changed[:3])
+            self._runners.clear()
+            self._traced.clear()
+            self._params = now
+        self._params_seen = _registered[0]
 
     def _key(self, args: tuple, kwargs: dict) -> Any:
         return (
@@ -355,10 +397,12 @@ class OptimizedModule(nn.Module):
         self.__dict__["_ddp_ignored"] = list(names)
 
     def _apply(self, fn: Any, recurse: bool = True) -> OptimizedModule:  # type: ignore[override]
+        self.fxrec_fused.check_conversion(fn)
         super()._apply(fn, recurse)
         self.fxrec_fused.relink()
         self._runners.clear()  # graphs hold references to the old tensors
         self._traced.clear()
+        self._params = dict(self.model.named_parameters(remove_duplicate=False))
         return self
 
     def __getstate__(self) -> dict[str, Any]:

@@ -210,6 +210,28 @@ class FusedParameters(nn.Module):
             for m in members:
                 m.tensor.data = _member_slice(flat.data, how, m)
 
+    def check_conversion(self, fn: object) -> None:
+        """Refuse a conversion (``module._apply``'s ``fn``) that would give members new tensor
+        objects instead of new data (``to("meta")``, an overwriting conversion mode): they
+        would no longer be views of the flat tensors. Tried on the smallest member."""
+        members = [m.tensor for _, ms in self._members.values() for m in ms]
+        if not members:
+            return
+        t = min(members, key=torch.Tensor.numel)
+        with torch.no_grad():
+            out = fn(t)  # type: ignore[operator]
+        future = torch.__future__
+        if (
+            future.get_overwrite_module_params_on_conversion()
+            or future.get_swap_module_params_on_conversion()
+            or not torch._has_compatible_shallow_copy_type(t, out)
+        ):
+            raise ValueError(
+                f"fxrec: this conversion (to {out.device} / {out.dtype}) replaces parameter "
+                "objects instead of their data, which would detach the parameters fxrec laid "
+                "out together. Convert the model first, then call fxrec.optimize."
+            )
+
     def _load_from_state_dict(self, *args: object, **kwargs: object) -> None:
         """Nothing of its own to load: checkpoints hold the members, which write through."""
 

@@ -104,8 +104,12 @@ class FbgemmGroupMeta:
             d = self.dim
             with torch.inference_mode(False):  # kept for training calls too
                 t = (
-                    torch.tensor([r * d for r in self._row_offsets], dtype=torch.long, device=device),
-                    torch.arange(0, (self.num_members + 1) * d, d, dtype=torch.int32, device=device),
+                    torch.tensor(
+                        [r * d for r in self._row_offsets], dtype=torch.long, device=device
+                    ),
+                    torch.arange(
+                        0, (self.num_members + 1) * d, d, dtype=torch.int32, device=device
+                    ),
                     torch.tensor(
                         [*self._row_offsets, self._num_rows], dtype=torch.long, device=device
                     ),

@@ -184,6 +184,50 @@ def test_freezing_laid_out_parameters_after_optimize() -> None:
         opt(x)
 
 
+class NormsHead(Norms):
+    def __init__(self, untraceable: bool) -> None:
+        super().__init__(untraceable=untraceable)
+        self.head = nn.Linear(4 * D, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(super().forward(x))
+
+
+@pytest.mark.parametrize("untraceable", [False, True], ids=["symbolic", "dynamo"])
+def test_parameters_replaced_after_optimize(untraceable: bool) -> None:
+    model = NormsHead(untraceable)
+    ref = copy.deepcopy(model)
+    opt = fxrec.optimize(model, (torch.randn(8, 4 * D),))
+    x = torch.randn(8, 4 * D)
+    opt(x)
+    w = torch.randn(2, 4 * D)
+    for m in (model, ref):  # not laid out: graphs are rebuilt on the new parameter
+        m.head.weight = nn.Parameter(w.clone())
+    out, want = opt(x), ref(x)
+    torch.testing.assert_close(out, want)
+    out.sum().backward()
+    want.sum().backward()
+    torch.testing.assert_close(model.head.weight.grad, ref.head.weight.grad)
+    model.norms[0].weight = nn.Parameter(torch.ones(D))  # laid out: cannot follow
+    with pytest.raises(
+        RuntimeError, match=r"'norms\.0\.weight' was replaced after fxrec\.optimize"
+    ):
+        opt(x)
+
+
+def test_conversions_that_replace_parameter_objects_are_refused() -> None:
+    model = Norms()
+    opt = fxrec.optimize(model, (torch.randn(8, 4 * D),))
+    x = torch.randn(8, 4 * D)
+    want = opt(x)
+    with pytest.raises(ValueError, match="replaces parameter objects"):
+        opt.to("meta")
+    torch.testing.assert_close(opt(x), want)  # nothing changed
+    assert all(p.device.type == "cpu" for p in opt.parameters())
+    opt.double()  # a conversion of the data: allowed
+    torch.testing.assert_close(opt(x.double()), model(x.double()))
+
+
 def test_checkpoints_of_a_module_holding_an_optimized_one() -> None:
     """Saved and loaded as another module's child: the original model's keys, both ways."""
 
