@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import itertools
 import logging
 import types
 import warnings
@@ -219,7 +220,13 @@ class OptimizedModule(nn.Module):
     def _build(self, key: Any, args: tuple, kwargs: dict, example: bool = False) -> Any:
         """The runner for ``key``; ``example``: built by ``optimize`` on its example inputs."""
         mode = key[0]
-        loose = [k for k in self._runners if k[0] == mode and _structure(k) == _structure(key)]
+        loose = [
+            k
+            for k in self._runners
+            if k[0] == mode
+            and _structure(k) == _structure(key)
+            and not isinstance(self._runners[k], _DynamoRunner)  # its direct call is one shape's
+        ]
         if loose and (mode in self._communicates or len(self._runners) >= MAX_CACHED_SIGNATURES):
             # A graph of the same structure runs these inputs too. Reused when the cache is
             # full, and always when the graph communicates: building runs the graph, whose
@@ -228,6 +235,8 @@ class OptimizedModule(nn.Module):
             if len(self._runners) < MAX_CACHED_SIGNATURES:
                 self._runners[key] = runner
             return runner
+        if len(self._runners) >= MAX_CACHED_SIGNATURES:  # the oldest signature makes room
+            del self._runners[next(iter(self._runners))]
         if mode not in self._traced:
             try:
                 self._traced[mode] = capture_symbolic(self.model)
@@ -299,11 +308,16 @@ class OptimizedModule(nn.Module):
             )
             self.fxrec_report.capture = "dynamo"
         fn = _own_code(self.model)
-        compiled = torch.compile(fn, backend=self._dynamo_backend, dynamic=False)
+        # Sizes static at first; one that changes within a signature (the ids of a KJT, which
+        # signatures key by feature names) makes dynamo's one recompile symbolic in it. Not
+        # for code shared with other signatures (a module compiled with its hooks).
+        dynamic = None if fn is not self.model else False
+        compiled = torch.compile(fn, backend=self._dynamo_backend, dynamic=dynamic)
         code, params = _code_and_params(fn, self.model)
         return _DynamoRunner(
             compiled, self._dynamo_backend, code, params, self.fxrec_report,
             direct=not self._guards and code is not None,
+            fallback=_EagerRunner(self.model, self.fxrec_fused),
         )  # fmt: skip
 
     def _optimize_traced(
@@ -346,7 +360,7 @@ class OptimizedModule(nn.Module):
         self.fxrec_report.capture = self.fxrec_report.capture or report.capture
         self.fxrec_report.merge(report)
         if self._backend != "eager":  # the optimized graph, compiled (parameters as inputs)
-            return torch.compile(gm, backend=self._backend, dynamic=False)
+            return torch.compile(gm, backend=self._backend, dynamic=None)
         return gm
 
     # -- state: the user's model owns it -------------------------------------------------------
@@ -468,6 +482,9 @@ def _missing_keys_as_saved(module: OptimizedModule, incompatible: Any) -> None:
     keys[:] = [prefix + k[len(inner) :] if k.startswith(inner) else k for k in keys]
 
 
+_copies = itertools.count()
+
+
 def _own_code(model: nn.Module) -> Any:
     """``model.forward`` bound to a private copy of its code object (see ``_dynamo_runner``)."""
     if model._forward_hooks or model._forward_pre_hooks:
@@ -476,9 +493,10 @@ def _own_code(model: nn.Module) -> Any:
     fn = getattr(fwd, "__func__", None)
     if not isinstance(fn, types.FunctionType) or getattr(fwd, "__self__", None) is not model:
         return model  # a forward we cannot copy (a C function, a callable object): as is
-    copy = types.FunctionType(
-        fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
-    )
+    # A name of its own too: dynamo keeps what it learnt about sizes (automatic dynamic) per
+    # file, line and name, which would make another signature's first compile symbolic.
+    code = fn.__code__.replace(co_name=f"{fn.__code__.co_name}_fxrec{next(_copies)}")
+    copy = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
     copy.__kwdefaults__ = fn.__kwdefaults__
     copy.__qualname__ = fn.__qualname__
     return types.MethodType(copy, model)
@@ -506,7 +524,9 @@ class _DynamoRunner:
     The first call goes through dynamo, which compiles; :meth:`DirectCall.build` then
     decides from what was compiled whether later calls may skip dynamo (see
     :mod:`fxrec.compile.direct`). A call in another grad mode than the first goes through
-    dynamo, which guards on it.
+    dynamo, which guards on it. Past dynamo's recompile limit, calls go to ``fallback``
+    (the model run eagerly through the laid-out parameters): dynamo would run the frame
+    eagerly itself, on the members, whose gradients the optimizer never sees.
     """
 
     def __init__(
@@ -517,8 +537,11 @@ class _DynamoRunner:
         params: list[str],
         report: Report,
         direct: bool,
+        fallback: Any,
     ) -> None:
         self.compiled = compiled
+        self.fallback = fallback
+        self.exhausted = False
         self.backend = backend
         self.code = code
         self.params = params
@@ -536,11 +559,11 @@ class _DynamoRunner:
         if direct is not None and not kwargs and torch.is_grad_enabled() is self.grad_mode:
             return direct(*args)
         if not self.try_direct or kwargs or len(args) != len(self.params):
-            return self.compiled(*args, **kwargs)  # defaults left out: dynamo fills them in
+            return self._through_dynamo(args, kwargs)  # defaults left out: dynamo fills them in
         self.try_direct = False
         graphs = self.backend.graphs
         first = len(graphs)
-        result = self.compiled(*args)
+        result = self._through_dynamo(args, {})
         new = graphs[first:]
         from fxrec.compile.direct import DirectCall
 
@@ -557,6 +580,23 @@ class _DynamoRunner:
         if note not in self.report.notes:
             self.report.notes.append(note)
         return result
+
+    def _through_dynamo(self, args: tuple, kwargs: dict) -> Any:
+        if self.exhausted:
+            return self.fallback(*args, **kwargs)
+        try:
+            with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+                return self.compiled(*args, **kwargs)
+        except torch._dynamo.exc.FailOnRecompileLimitHit:
+            self.exhausted = True
+        note = (
+            "dynamo reached its recompile limit on one input signature (a Python value the "
+            "forward reads changes every call?); those calls run the model eagerly"
+        )
+        logger.warning("fxrec: %s", note)
+        if note not in self.report.notes:
+            self.report.notes.append(note)
+        return self.fallback(*args, **kwargs)
 
 
 def _hook_ids(index: int, m: nn.Module) -> tuple:

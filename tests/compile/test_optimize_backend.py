@@ -111,3 +111,75 @@ def test_inductor_trains_like_eager() -> None:
 def test_bad_backend_name_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="unknown inner backend 'no_such_backend'"):
         fxrec.optimize(_ranking(), backend="no_such_backend")
+
+
+class SparseNorms(nn.Module):
+    """KJT in (dynamo captures the zip over a split), per-feature LayerNorms on the pools."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from fxrec.nn import EmbeddingBagCollection, EmbeddingBagConfig
+
+        self.ebc = EmbeddingBagCollection(
+            [EmbeddingBagConfig(f"t{i}", 10, 8, [f"f{i}"]) for i in range(3)]
+        )
+        self.norms = nn.ModuleList(nn.LayerNorm(8) for _ in range(3))
+
+    def forward(self, kjt: Any) -> torch.Tensor:
+        pooled = self.ebc(kjt).values()
+        return torch.cat([n(p).tanh() for p, n in zip(torch.split(pooled, 8, 1), self.norms)], 1)
+
+
+def _kjt(gen: torch.Generator, batch: int = 4) -> Any:
+    from fxrec.sparse import KeyedJaggedTensor
+
+    lengths = torch.randint(0, 4, (3 * batch,), generator=gen)
+    ids = torch.randint(0, 10, (int(lengths.sum()),), generator=gen)
+    return KeyedJaggedTensor(["f0", "f1", "f2"], ids, lengths=lengths)
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_kjt_input_with_a_new_id_count_every_batch_keeps_training(backend: str) -> None:
+    """Signatures key a KJT by its features: its id count changes within one capture, which
+    must not run dynamo into its recompile limit (and its eager frames, on the members)."""
+    gen = torch.Generator().manual_seed(0)
+    model = SparseNorms()
+    ref = copy.deepcopy(model)
+    opt = fxrec.optimize(model, (_kjt(gen),), backend=backend)
+    assert opt.fxrec_report.capture == "dynamo"
+    sgd_o = torch.optim.SGD(opt.parameters(), lr=0.1)
+    sgd_r = torch.optim.SGD(ref.parameters(), lr=0.1)
+    w = torch.linspace(-1, 1, 24)
+    for _ in range(12):
+        kjt = _kjt(gen)
+        for m, sgd in ((opt, sgd_o), (ref, sgd_r)):
+            sgd.zero_grad()
+            (m(kjt) * w).sum().backward()
+            sgd.step()
+    for a, b in zip(model.state_dict().values(), ref.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert counters["stats"]["unique_graphs"] <= 3  # static, then one symbolic recompile
+
+
+class ZipNorms(nn.Module):
+    """The seed pattern over ``zip(split, norms)``: dynamo captures it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norms = nn.ModuleList(nn.LayerNorm(8) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([n(p).tanh() for p, n in zip(torch.split(x, 8, 1), self.norms)], 1)
+
+
+def test_more_batch_sizes_than_cached_signatures_under_inductor() -> None:
+    """A graph compiled for one batch size, called directly, must never get another."""
+    from fxrec.graph.module import MAX_CACHED_SIGNATURES
+
+    model = ZipNorms()
+    opt = fxrec.optimize(model, (torch.randn(16, 32),), backend="inductor")
+    assert opt.fxrec_report.capture == "dynamo"
+    for b in range(2, MAX_CACHED_SIGNATURES + 4):
+        x = torch.randn(b, 32)
+        torch.testing.assert_close(opt(x), model(x))
+    assert len(opt._runners) <= MAX_CACHED_SIGNATURES

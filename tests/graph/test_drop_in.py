@@ -215,6 +215,36 @@ def test_parameters_replaced_after_optimize(untraceable: bool) -> None:
         opt(x)
 
 
+class ScaledNorms(Norms):
+    """Reads a Python attribute that changes every call: dynamo (with its guards) recompiles."""
+
+    def __init__(self) -> None:
+        super().__init__(untraceable=True)
+        self.scale = 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.scale
+
+
+def test_past_dynamos_recompile_limit_gradients_still_reach_the_flat_parameters() -> None:
+    model = ScaledNorms()
+    ref = copy.deepcopy(model)
+    opt = fxrec.optimize(model, (torch.randn(8, 4 * D),), guards=True)
+    sgd_o = torch.optim.SGD(opt.parameters(), lr=0.1)
+    sgd_r = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(12):  # dynamo's limit is 8 compiles per code object
+        model.scale = ref.scale = step + 2
+        x, w = torch.randn(8, 4 * D), torch.randn(8, 4 * D)
+        for m, sgd in ((opt, sgd_o), (ref, sgd_r)):
+            sgd.zero_grad()
+            (m(x) * w).sum().backward()
+            sgd.step()
+        for a, b_ in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(a, b_, rtol=TOL, atol=TOL)
+    assert any("recompile limit" in n for n in opt.fxrec_report.notes)
+    torch._dynamo.reset()
+
+
 def test_conversions_that_replace_parameter_objects_are_refused() -> None:
     model = Norms()
     opt = fxrec.optimize(model, (torch.randn(8, 4 * D),))
