@@ -349,8 +349,11 @@ class FuseParallelLayerNorm(HorizontalRule):
         ws: list[Ref],
         bs: list[Ref],
     ) -> fx.Node:
-        """layer_norm over the trailing ``ns`` of ``x`` (members along ``dim``), then the affine."""
-        y = ctx.call(F.layer_norm, (x, ns, None, None, eps))
+        """layer_norm over the trailing ``ns`` of ``x`` (members along ``dim``), then the affine.
+
+        Weights of another dtype than ``x`` (float32 weights, bfloat16 input): computed in
+        the weights' dtype and returned in ``x``'s, as ``F.layer_norm`` does.
+        """
         xi = ctx.info(x)
         assert xi is not None
         n = xi.shape[dim]
@@ -367,13 +370,18 @@ class FuseParallelLayerNorm(HorizontalRule):
             return flat
 
         w, b = laid_out(ws), laid_out(bs)
+        dtypes = {i.dtype for i in (ctx.info(t) for t in (w, b) if t is not None) if i is not None}
+        mixed = next(iter(dtypes - {xi.dtype}), None)
+        if mixed is not None:
+            x = ctx.call_method("to", (x, mixed))
+        y = ctx.call(F.layer_norm, (x, ns, None, None, eps))
         if w is not None and b is not None:
-            return ctx.call(torch.addcmul, (b, y, w))
-        if w is not None:
-            return ctx.call(torch.mul, (y, w))
-        if b is not None:
-            return ctx.call(torch.add, (y, b))
-        return y
+            y = ctx.call(torch.addcmul, (b, y, w))
+        elif w is not None:
+            y = ctx.call(torch.mul, (y, w))
+        elif b is not None:
+            y = ctx.call(torch.add, (y, b))
+        return y if mixed is None else ctx.call_method("to", (y, xi.dtype))
 
 
 def _distinct(refs: Sequence[Ref]) -> bool:

@@ -132,6 +132,26 @@ def test_layer_norm_functional_spellings(fn) -> None:  # type: ignore[no-untyped
     check(LNFunctional(fn=fn, affine=False), (3, 20), rule="parallel_layer_norm", fired=1)
 
 
+@pytest.mark.parametrize("plugin", [False, True], ids=["optimize", "compile_backend"])
+def test_layer_norm_of_bfloat16_input_with_float32_weights(plugin: bool) -> None:
+    # F.layer_norm computes mixed dtypes in the weights' dtype and returns the input's
+    model = _randomise(LNModules())
+    x = torch.randn(6, 20, dtype=torch.bfloat16)
+    if plugin:
+        run = torch.compile(model, backend=fxrec.compile_backend(inner="eager"))
+    else:
+        run = fxrec.optimize(model, (x,))
+        assert run.fxrec_report.count("parallel_layer_norm") == 1
+        assert not any("check failed" in n for n in run.fxrec_report.notes)
+    xo, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out, want = run(xo), model(xr)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, want)
+    out.float().sum().backward()
+    want.float().sum().backward()
+    torch.testing.assert_close(xo.grad, xr.grad)
+
+
 def test_layer_norm_dynamo_path_and_public_backend() -> None:
     class Loop(LNModules):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
