@@ -92,12 +92,49 @@ def capture_symbolic(model: nn.Module) -> fx.GraphModule:
             "through it would drop"
         )
     tracer = FxrecTracer()
+    saved = _buffer_state(model)
     try:
         graph = tracer.trace(model)
         # Code generation fails too, e.g. on ``forward(x, y=None, *, z)``.
-        return fx.GraphModule(tracer.root, graph, type(model).__name__)
+        gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
     except Exception as exc:  # tracing fails in many, unpredictable ways
         raise CaptureError(f"symbolic tracing failed: {type(exc).__name__}: {exc}") from exc
+    finally:
+        written = _restore_written(saved)
+    if written:
+        raise CaptureError(
+            f"symbolic tracing skipped: forward writes buffer {written!r} (``self.n += 1``), "
+            "which tracing would run once, on the real buffer, and leave out of the graph"
+        )
+    return gm
+
+
+def _buffer_state(model: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor, int, torch.Tensor]]:
+    """(module, name, buffer, its version, a copy) of every buffer of ``model``."""
+    return [
+        (m, f"{prefix}.{n}" if prefix else n, b, b._version, b.detach().clone())
+        for prefix, m in model.named_modules()
+        for n, b in m._buffers.items()
+        if b is not None
+    ]
+
+
+def _restore_written(saved: list[tuple[nn.Module, str, torch.Tensor, int, torch.Tensor]]) -> str:
+    """Put back every buffer a trace wrote or reassigned; the first one's name ("" if none).
+
+    A buffer is a plain tensor to symbolic tracing, so ``self.n += 1`` in ``forward`` runs
+    on it while tracing and records nothing in the graph.
+    """
+    written = ""
+    for m, name, b, version, copy in saved:
+        n = name.rpartition(".")[2]
+        if m._buffers.get(n) is b and b._version == version:
+            continue
+        written = written or name
+        m._buffers[n] = b
+        with torch.no_grad():
+            b.copy_(copy)
+    return written
 
 
 def _hooked_traced_through(model: nn.Module) -> str | None:

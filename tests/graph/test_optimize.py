@@ -220,6 +220,32 @@ def test_graphs_built_for_later_signatures_are_checked_too(
     torch._dynamo.reset()
 
 
+class _Counting(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Module()
+        self.inner.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.inner.calls += 1  # a plain tensor to symbolic tracing: it would run once, here
+        return self.lin(x) * self.inner.calls
+
+
+def test_a_forward_that_writes_a_buffer_goes_to_dynamo() -> None:
+    model = _Counting()
+    ref = copy.deepcopy(model)
+    opt = fxrec.optimize(model, (torch.randn(2, 4),))
+    assert int(model.inner.calls) == 0  # the trace's write was undone
+    assert opt.fxrec_report.capture == "dynamo"
+    assert any("writes buffer 'inner.calls'" in n for n in opt.fxrec_report.notes)
+    for _ in range(3):
+        x = torch.randn(2, 4)
+        torch.testing.assert_close(opt(x), ref(x))
+    assert int(model.inner.calls) == int(ref.inner.calls) == 3
+    torch._dynamo.reset()
+
+
 def test_unknown_rule_name_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="unknown rule 'nope'"):
         fxrec.optimize(Scales(), rules=["nope"])
