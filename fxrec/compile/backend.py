@@ -34,7 +34,7 @@ from torch.fx.node import map_aggregate
 
 from fxrec.compile.direct import GraphRecord, graph_sources
 from fxrec.graph.capture import lift_params_to_attrs, prune_attrs
-from fxrec.graph.effects import comm_kind
+from fxrec.graph.effects import comm_kind, is_random
 from fxrec.graph.optimize_graph import RuleSpec, optimize_graph, resolve_rules
 from fxrec.graph.params import FusedParameters
 from fxrec.graph.report import Report
@@ -173,7 +173,8 @@ def compile_backend(
     nodes and are laid out once. The backend's ``report`` attribute accumulates what each
     graph got (one graph per graph break, per recompile), its ``graphs`` attribute a
     :class:`~fxrec.compile.direct.GraphRecord` of each graph whose parameters were lifted,
-    its ``communicates`` attribute whether any graph holds a collective.
+    its ``communicates`` attribute whether any graph holds a collective, its ``draws`` whether
+    any draws random numbers.
     """
     inner_fn = inner_backend(inner)
     eager = isinstance(inner, str) and inner == "eager"
@@ -184,6 +185,8 @@ def compile_backend(
 
     def backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         keep: list[int] | None = None
+        if any(is_random(n) for n in gm.graph.nodes):
+            backend.draws = True  # type: ignore[attr-defined]
         if model is not None and owner is not None:
             sources = graph_sources(gm)
             gm, keep = lift_params_to_attrs(gm, example_inputs, model)
@@ -213,4 +216,5 @@ def compile_backend(
     backend.report = rep  # type: ignore[attr-defined]
     backend.graphs = graphs  # type: ignore[attr-defined]
     backend.communicates = False  # type: ignore[attr-defined]
+    backend.draws = False  # type: ignore[attr-defined]
     return backend

@@ -278,6 +278,14 @@ class OptimizedModule(nn.Module):
         grad = torch.is_grad_enabled()  # the mode training will call it in: one compile
         if _same_outputs(self.model, runner, args, reference, grad, kwargs):
             return runner
+        if self._dynamo_backend.draws and self._backend != "eager":
+            note = (
+                f"not checked: the graphs draw random numbers, which {self._backend} draws "
+                "differently from eager PyTorch"
+            )
+            if note not in self.fxrec_report.notes:
+                self.fxrec_report.notes.append(note)
+            return runner
         logger.warning(
             "fxrec: optimized graphs disagree with the model on these inputs; running them eagerly"
         )
