@@ -48,10 +48,12 @@ def cumsum_list(xs: Sequence[int]) -> list[int]:
 
 
 def to_offsets(lengths: torch.Tensor) -> torch.Tensor:
-    """Exclusive-then-inclusive cumsum: ``[0, l0, l0+l1, ...]`` in ``lengths``' dtype."""
-    out = lengths.new_zeros(lengths.numel() + 1)
+    """Exclusive-then-inclusive cumsum: ``[0, l0, l0+l1, ...]`` in ``lengths``' dtype, or in
+    int32 for narrower integers (whose sums would wrap around)."""
+    dtype = lengths.dtype if lengths.dtype in (torch.int32, torch.int64) else torch.int32
+    out = lengths.new_zeros(lengths.numel() + 1, dtype=dtype)
     if lengths.numel():
-        torch.cumsum(lengths, dim=0, out=out[1:])
+        torch.cumsum(lengths, dim=0, dtype=dtype, out=out[1:])
     return out
 
 

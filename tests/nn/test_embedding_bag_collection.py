@@ -391,3 +391,19 @@ def test_first_call_under_inference_mode_keeps_training_calls_working(backend: s
     with torch.inference_mode():
         ebc(random_kjt(ebc, batch=4, gen=_gen(0)))
     check_against_reference(ebc, random_kjt(ebc, batch=4, gen=_gen(1)))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16])
+def test_narrow_integer_lengths_whose_sums_overflow_them(backend: str, dtype: torch.dtype) -> None:
+    # offsets of 100 + 100 + ... pass 127/255 (and 32767 for int16 with more bags)
+    bag = 100
+    n_bags = 8 if dtype != torch.int16 else 400
+    tables = [EmbeddingBagConfig("t0", 10, 4, ["a"]), EmbeddingBagConfig("t1", 10, 4, ["b"])]
+    ebc = EmbeddingBagCollection(tables, backend=backend)
+    lengths = torch.full((2 * n_bags,), bag, dtype=torch.long)
+    ids = torch.randint(0, 10, (int(lengths.sum()),), generator=_gen(3))
+    wide = KeyedJaggedTensor(["a", "b"], ids, lengths=lengths)
+    narrow = KeyedJaggedTensor(["a", "b"], ids, lengths=lengths.to(dtype))
+    assert narrow.offsets().tolist() == wide.offsets().tolist()
+    torch.testing.assert_close(ebc(narrow).values(), ebc(wide).values())
