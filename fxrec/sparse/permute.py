@@ -68,13 +68,18 @@ def _fbgemm_handles(
 ) -> bool:
     """Whether fbgemm's permute kernels compute this case right.
 
-    They have kernels for int32/int64 ids and lengths only, and their autograd drops or
-    misroutes the weights' gradient (wrong sums for repeated keys, ``None`` for a variable
-    batch, errors for dropped keys): weights that need a gradient take the torch path.
+    They have kernels for int32/int64 ids and lengths and float32/float64 weights only,
+    and their autograd drops or misroutes the weights' gradient (wrong sums for repeated
+    keys, ``None`` for a variable batch, errors for dropped keys): weights that need a
+    gradient take the torch path.
     """
     if values.dtype not in _FBGEMM_INDEX_DTYPES or lengths.dtype not in _FBGEMM_INDEX_DTYPES:
         return False
-    return weights is None or not (weights.requires_grad and torch.is_grad_enabled())
+    if weights is None:
+        return True
+    if weights.dtype not in (torch.float32, torch.float64):
+        return False
+    return not (weights.requires_grad and torch.is_grad_enabled())
 
 
 def permute_jagged(

@@ -149,6 +149,37 @@ def test_permute_takes_narrow_integer_dtypes(
     assert kjt_bags(out) == ref_bags(ref.select(order))
 
 
+@pytest.mark.parametrize("backend", _BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@given(ref=ref_features(), data=st.data())
+def test_permute_takes_low_precision_weights(
+    backend: str, dtype: torch.dtype, ref: RefFeatures, data: st.DataObject
+) -> None:
+    """fbgemm has float32/float64 weight kernels only: other weights take the torch path."""
+    order = data.draw(st.lists(st.integers(0, len(ref.keys) - 1), max_size=6))
+    kjt = ref.kjt()
+    w = torch.rand(kjt.values().numel(), generator=torch.Generator().manual_seed(0))
+    low = KeyedJaggedTensor(
+        kjt.keys(),
+        kjt.values(),
+        w.to(dtype),
+        lengths=kjt.lengths(),
+        stride_per_key=kjt.stride_per_key() if ref.variable else None,
+    )
+    full = KeyedJaggedTensor(
+        kjt.keys(),
+        kjt.values(),
+        w.to(dtype).float(),
+        lengths=kjt.lengths(),
+        stride_per_key=kjt.stride_per_key() if ref.variable else None,
+    )
+    with _sparse_backend(backend):
+        out, want = low.permute(order), full.permute(order)
+    assert out.weights().dtype == dtype
+    assert torch.equal(out.weights().float(), want.weights())
+    assert torch.equal(out.values(), want.values())
+
+
 @given(ref_features(min_keys=0), st.data())
 def test_split_gives_views(ref: RefFeatures, data: st.DataObject) -> None:
     kjt = ref.kjt()
