@@ -29,6 +29,8 @@ class KeyedTensor(metaclass=SparseMeta):
         values: torch.Tensor,
         key_dim: int = 1,
     ) -> None:
+        if isinstance(keys, str):  # list("ab") would be two keys
+            raise ValueError(f"keys must be a list of str, got the str {keys!r}; use [{keys!r}].")
         self._keys = list(keys)
         self._length_per_key = [int(n) for n in length_per_key]
         self._values = values
@@ -42,6 +44,9 @@ class KeyedTensor(metaclass=SparseMeta):
                     f"KeyedTensor got {len(self._keys)} keys but {len(self._length_per_key)} "
                     f"lengths; give one length (width) per key."
                 )
+            negative = [k for k, n in zip(self._keys, self._length_per_key) if n < 0]
+            if negative:
+                raise ValueError(f"KeyedTensor key {negative[0]!r} has a negative width.")
             width = values.size(key_dim) if values.dim() > key_dim else -1
             if sum(self._length_per_key) != width:
                 raise ValueError(

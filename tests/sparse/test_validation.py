@@ -38,6 +38,7 @@ def _kjt(**kw):  # type: ignore[no-untyped-def]
         ({"stride_per_key": [4]}, "1 entries for 2 keys"),
         ({"length_per_key": [3, 2]}, "disagrees with the lengths"),
         ({"keys": ["user", 3]}, "keys must be str"),
+        ({"keys": "ui"}, r"got the str 'ui'; use \['ui'\]"),
     ],
 )
 def test_bad_kjt_inputs(kw: dict, pattern: str) -> None:
@@ -82,6 +83,10 @@ def test_jagged_tensor_validation() -> None:
 def test_keyed_tensor_validation() -> None:
     with pytest.raises(ValueError, match="2 keys but 1 lengths"):
         KeyedTensor(["a", "b"], [3], torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="key 'b' has a negative width"):
+        KeyedTensor(["a", "b"], [4, -1], torch.zeros(2, 3))  # the widths sum right
+    with pytest.raises(ValueError, match="got the str 'ab'"):
+        KeyedTensor("ab", [1, 2], torch.zeros(2, 3))
 
 
 def test_switch_and_context_manager_skip_checks() -> None:
