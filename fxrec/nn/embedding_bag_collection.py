@@ -359,10 +359,10 @@ class EmbeddingBagCollection(nn.Module):
             bags = offsets if single else starts.narrow(0, ms * batch, (me - ms) * batch)
             pooled = embedding_bag_grouped(
                 self.groups[gi].weight,
-                ids[a:b],
+                ids.narrow(0, a, b - a),  # narrow, not [a:b]: compiled, both have size b - a
                 bags,
                 g.pooling,
-                None if weights is None else weights[a:b],
+                None if weights is None else weights.narrow(0, a, b - a),
                 sparse=self._sparse,
                 include_last_offset=single,
             )

@@ -407,3 +407,26 @@ def test_narrow_integer_lengths_whose_sums_overflow_them(backend: str, dtype: to
     narrow = KeyedJaggedTensor(["a", "b"], ids, lengths=lengths.to(dtype))
     assert narrow.offsets().tolist() == wide.offsets().tolist()
     torch.testing.assert_close(ebc(narrow).values(), ebc(wide).values())
+
+
+def test_weighted_groups_compile_in_one_graph_from_jagged_tensors() -> None:
+    # a dict of JaggedTensors: per-key id counts are unknown to the compiler; the ids' and
+    # the weights' slices of each group must still have one size
+    tables = [
+        EmbeddingBagConfig("t0", 10, 4, ["a"]),
+        EmbeddingBagConfig("t1", 10, 4, ["b"], pooling="mean"),
+    ]
+    ebc = EmbeddingBagCollection(tables, is_weighted=True, backend="torch")
+    assert len(ebc.groups) == 2
+    w = torch.rand(4, requires_grad=True)
+    kjt = KeyedJaggedTensor(
+        ["a", "b"], torch.tensor([1, 2, 3, 4]), w, lengths=torch.tensor([1, 1, 2, 0])
+    )
+    torch._dynamo.reset()
+    compiled = torch.compile(ebc, fullgraph=True, backend="eager")
+    got, want = compiled(kjt.to_dict()).values(), ebc(kjt.to_dict()).values()
+    torch.testing.assert_close(got, want)
+    (g,) = torch.autograd.grad(got.sum(), w)
+    (r,) = torch.autograd.grad(want.sum(), w)
+    torch.testing.assert_close(g, r)
+    torch._dynamo.reset()
