@@ -252,8 +252,7 @@ class OptimizedModule(nn.Module):
             except _TraceDoesNotRun as exc:
                 note = f"symbolic trace does not run these inputs ({exc}); dynamo captures them"
                 logger.info("fxrec: %s", note)
-                if note not in self.fxrec_report.notes:
-                    self.fxrec_report.notes.append(note)
+                self.fxrec_report.note(note)
         if runner is None:
             runner = self._checked(self._dynamo_runner(), args, kwargs, example)
         self._runners[key] = runner
@@ -283,15 +282,13 @@ class OptimizedModule(nn.Module):
                 f"not checked: the graphs draw random numbers, which {self._backend} draws "
                 "differently from eager PyTorch"
             )
-            if note not in self.fxrec_report.notes:
-                self.fxrec_report.notes.append(note)
+            self.fxrec_report.note(note)
             return runner
         logger.warning(
             "fxrec: optimized graphs disagree with the model on these inputs; running them eagerly"
         )
         note = "check failed: outputs differ on the first inputs of a signature; those run eagerly"
-        if note not in self.fxrec_report.notes:
-            self.fxrec_report.notes.append(note)
+        self.fxrec_report.note(note)
         return _EagerRunner(self.model, self.fxrec_fused)
 
     def _dynamo_runner(self) -> Any:
@@ -585,8 +582,7 @@ class _DynamoRunner:
             if self.direct is None
             else "one graph: calls after the first skip dynamo's guards"
         )
-        if note not in self.report.notes:
-            self.report.notes.append(note)
+        self.report.note(note)
         return result
 
     def _through_dynamo(self, args: tuple, kwargs: dict) -> Any:
@@ -602,8 +598,7 @@ class _DynamoRunner:
             "forward reads changes every call?); those calls run the model eagerly"
         )
         logger.warning("fxrec: %s", note)
-        if note not in self.report.notes:
-            self.report.notes.append(note)
+        self.report.note(note)
         return self.fallback(*args, **kwargs)
 
 

@@ -130,8 +130,7 @@ def optimize_graph(
             "dynamic shapes: rules need static sizes, so graphs with symbolic ones are left "
             "as written (compile with dynamic=False to let fxrec fuse)"
         )
-        if note not in report.notes:
-            report.notes.append(note)
+        report.note(note)
     report.seconds += passes_s
     logger.debug(
         "optimize_graph: %.1f ms, of which %.1f ms in the rule passes",

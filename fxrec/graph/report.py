@@ -51,6 +51,11 @@ class Report:
     def refused(self, rule: str, nodes: list[Any], reason: str) -> None:
         self.refusals.append(Refusal(rule, [getattr(n, "name", str(n)) for n in nodes], reason))
 
+    def note(self, text: str) -> None:
+        """Add a note once (the same situation on several graphs is one note)."""
+        if text not in self.notes:
+            self.notes.append(text)
+
     def count(self, rule: str | None = None) -> int:
         """How many times ``rule`` (or any rule) fired."""
         return sum(1 for f in self.firings if rule is None or f.rule == rule)

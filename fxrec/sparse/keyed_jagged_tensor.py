@@ -57,10 +57,8 @@ class KeyedJaggedTensor(metaclass=SparseMeta):
             raise ValueError(
                 "KeyedJaggedTensor needs lengths or offsets (one entry per key and batch row)."
             )
-        if isinstance(keys, str):  # list("ab") would be two keys
-            raise ValueError(f"keys must be a list of str, got the str {keys!r}; use [{keys!r}].")
         self._init(
-            list(keys),
+            V.keys_list(keys),
             values,
             weights,
             lengths,

@@ -29,9 +29,7 @@ class KeyedTensor(metaclass=SparseMeta):
         values: torch.Tensor,
         key_dim: int = 1,
     ) -> None:
-        if isinstance(keys, str):  # list("ab") would be two keys
-            raise ValueError(f"keys must be a list of str, got the str {keys!r}; use [{keys!r}].")
-        self._keys = list(keys)
+        self._keys = V.keys_list(keys)
         self._length_per_key = [int(n) for n in length_per_key]
         self._values = values
         self._key_dim = key_dim

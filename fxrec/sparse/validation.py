@@ -250,6 +250,13 @@ def _key_of_row(row: int, stride_per_key: Sequence[int]) -> tuple[int, int]:
     return len(stride_per_key) - 1, row - start
 
 
+def keys_list(keys: Sequence[str]) -> list[str]:
+    """``keys`` as a list; a str is refused (``list("ab")`` would be two keys)."""
+    if isinstance(keys, str):
+        raise ValueError(f"keys must be a list of str, got the str {keys!r}; use [{keys!r}].")
+    return list(keys)
+
+
 def check_keys(keys: Sequence[str]) -> None:
     """Keys are a list of str. Repeats are allowed: ``permute`` repeats a key on purpose."""
     if not isinstance(keys, (list, tuple)):

@@ -77,7 +77,6 @@ class InputDist:
         for part in parts:  # a TensorDict's KJT kept: one its conversion in a graph returns
             with contextlib.suppress(TypeError, ValueError):
                 kept_kjt(part)
-
         self._requests = self._watch.enter_context(dist_ops.watch_requests())
         self._probing = True
         self._seen = seen
