@@ -187,8 +187,14 @@ class TrainPipelineBase:
         return loss.detach()
 
     def run(self, batches: Iterable[Any], max_steps: int | None = None) -> list[float]:
-        """Train on ``batches`` (at most ``max_steps``); the losses. Stops at the first error."""
-        it = iter(batches)
+        """Train on ``batches`` (at most ``max_steps``); the losses. Stops at the first error.
+
+        Each call starts ``batches`` over (``iter(batches)``); pass an iterator to go on
+        where the last call stopped.
+        """
+        return self._run(iter(batches), max_steps)
+
+    def _run(self, it: Iterator[Any], max_steps: int | None) -> list[float]:
         losses: list[float] = []
         while max_steps is None or len(losses) < max_steps:
             try:
@@ -266,13 +272,21 @@ class TrainPipelineSparseDist(TrainPipelineBase):
         self._peer_ended = False  # a peer's data ended: this rank stops too
 
     # -- the producer thread -------------------------------------------------------------------
-    def _produce(self, source: Iterator[Any]) -> None:
+    def _produce(self, source: Iterator[Any], index: int) -> None:
+        """Read, prepare and copy batches from ``source`` (the first one is batch ``index``)."""
         threads = self.host_threads
         if threads is None and self.device.type == "cpu":
             threads = 1
+        before = torch.get_num_threads()
         if threads is not None:
-            torch.set_num_threads(threads)  # this thread only
-        index = 0
+            torch.set_num_threads(threads)  # this thread, and threads started meanwhile
+        try:
+            self._read(source, index)
+        finally:
+            if threads is not None:  # threads started later take the process's count again
+                torch.set_num_threads(before)
+
+    def _read(self, source: Iterator[Any], index: int) -> None:
         while not self._stop.is_set():
             try:
                 item = next(source)
@@ -283,6 +297,9 @@ class TrainPipelineSparseDist(TrainPipelineBase):
                 self._put((index, None, exc, "reading it from the data loader"))
                 index += 1
                 continue
+            except BaseException as exc:  # KeyboardInterrupt, SystemExit: raised as they are
+                self._put((index, None, exc, "reading it from the data loader"))
+                return
             try:
                 if self._stream is not None:
                     with torch.cuda.stream(self._stream):
@@ -331,10 +348,14 @@ class TrainPipelineSparseDist(TrainPipelineBase):
             while not self._queue.empty():
                 self._queue.get_nowait()
             self._next = None
+            self._input_dist.discard()  # exchanges of batches read ahead that will not run
         self._source = source
         self._exhausted = self._peer_ended = False
         self._thread = threading.Thread(
-            target=self._produce, args=(source,), name="fxrec-pipeline-copy", daemon=True
+            target=self._produce,
+            args=(source, self._index),  # indices count every batch drawn, across epochs
+            name="fxrec-pipeline-copy",
+            daemon=True,
         )
         self._thread.start()
 
@@ -353,6 +374,15 @@ class TrainPipelineSparseDist(TrainPipelineBase):
         return index, payload, exc, stage
 
     # -- public API ----------------------------------------------------------------------------
+    def run(self, batches: Iterable[Any], max_steps: int | None = None) -> list[float]:
+        it = iter(batches)
+        if self._source is not None and it is not self._source and not self._exhausted:
+            self._check_open()
+            self._start(it)  # starts over, as the base does: batches read ahead are dropped
+        return self._run(it, max_steps)
+
+    run.__doc__ = TrainPipelineBase.run.__doc__
+
     def progress(self, dataloader_iter: Iterator[Any]) -> torch.Tensor:
         self._check_open()
         if self._source is None or (dataloader_iter is not self._source and self._exhausted):
@@ -376,6 +406,8 @@ class TrainPipelineSparseDist(TrainPipelineBase):
         index, batch, exc, stage = current
         self._index = index + 1
         if exc is not None:
+            if not isinstance(exc, Exception):  # KeyboardInterrupt...: as the base raises it
+                raise exc
             self._skip(index, exc, stage)
         self._input_dist.probe(batch)
 

@@ -261,6 +261,63 @@ def test_background_thread_sets_its_own_op_threads_only(host_threads, want):
         pipe.run(make_batches(KEYS, 3, seed=2))
     assert seen and set(seen) == {want}
     assert torch.get_num_threads() == main_threads
+    later: list[int] = []  # a thread started after the pipeline: the process's count again
+    t = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+    t.start()
+    t.join()
+    assert later == [main_threads]
+
+
+class _Interrupted:
+    """Yields ``n`` batches, then raises KeyboardInterrupt (a BaseException, not an Exception)."""
+
+    def __init__(self, batches: list, n: int) -> None:
+        self.it, self.n = iter(batches), n
+
+    def __iter__(self) -> _Interrupted:
+        return self
+
+    def __next__(self):  # type: ignore[no-untyped-def]
+        if self.n == 0:
+            raise KeyboardInterrupt("ctrl-c in the loader")
+        self.n -= 1
+        return next(self.it)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("pipeline_cls", PIPELINES)
+def test_an_interrupt_in_the_loader_is_raised_as_it_is(pipeline_cls):
+    model, opt = fresh(KEYS)
+    with pipeline_cls(model, opt) as pipe:
+        it = _Interrupted(make_batches(KEYS, 4), 2)
+        pipe.progress(it)
+        pipe.progress(it)
+        with pytest.raises(KeyboardInterrupt, match="ctrl-c"):
+            pipe.progress(it)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("pipeline_cls", PIPELINES)
+def test_batch_indices_count_every_batch_drawn_across_epochs(pipeline_cls):
+    batches = make_batches(KEYS, 3)
+    model, opt = fresh(KEYS)
+    with pipeline_cls(model, opt) as pipe:
+        first, errors = drive(pipe, iter(batches))
+        assert len(first) == 3 and not errors
+        losses, errors = drive(pipe, FlakyLoader(batches, fail_at=[1]))
+    assert len(losses) == 2
+    assert errors == [(4, OSError)]  # epoch 2's second batch is the fifth drawn
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("pipeline_cls", PIPELINES)
+def test_run_with_max_steps_starts_its_batches_over_each_call(pipeline_cls):
+    batches = make_batches(KEYS, 4)
+    ref_losses, ref_params = reference(batches[:2] + batches[:2])
+    model, opt = fresh(KEYS)
+    with pipeline_cls(model, opt) as pipe:
+        losses = pipe.run(batches, max_steps=2) + pipe.run(batches, max_steps=2)
+    assert_same(losses, params(model), ref_losses, ref_params)
 
 
 def test_host_threads_must_be_positive():
