@@ -401,6 +401,14 @@ def _classify(
             weighted += [v.weights_or_none() is not None for v in value.values()]
         else:
             slots.append(_Slot(_DENSE, (i,)))
+    # A JaggedTensor argument's key is its name, which only we chose: it yields to features.
+    named = {k for s in slots if s.kind != _JT for k in s.keys}
+    slots = [
+        _Slot(_JT, s.positions, (f"{s.keys[0]} (argument {s.positions[0]})",))
+        if s.kind == _JT and s.keys[0] in named
+        else s
+        for s in slots
+    ]
     # Features must be unique across arguments; number them in packing order.
     out, start, seen = [], 0, set()
     for s in slots:

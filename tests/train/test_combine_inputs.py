@@ -165,6 +165,21 @@ def test_dict_of_jagged_tensors_and_a_jagged_tensor():
     torch.testing.assert_close(s2.lengths(), solo.lengths())
 
 
+def test_a_jagged_tensor_argument_named_like_a_feature():
+    # the argument's name is only fxrec's key for it: a feature of that name is no clash
+    g = torch.Generator().manual_seed(1)
+    kjt = make_kjt(["x", "y", "solo"], 4, g, weighted=True, vbe=False)
+    d = kjt.to_dict()
+    feats = {"x": JaggedTensor(d["x"].values(), lengths=d["x"].lengths()), "y": d["y"]}
+    solo = JaggedTensor(d["solo"].values(), lengths=d["solo"].lengths())
+    dense = torch.randn(4, 6, generator=g)
+    feats["solo"] = solo  # a feature named like the argument; the model does not read it
+
+    model = DictAndJT()
+    new, packer = combine_inputs(model, (feats, solo, dense))
+    check_same(model, new, (feats, solo, dense), packer(feats, solo, dense))
+
+
 @pytest.mark.parametrize("input_type", ["kjt", "td"])
 @pytest.mark.parametrize("weighted,vbe", [(False, False), (True, False), (True, True)])
 def test_kjt_and_tensordict_inputs(input_type, weighted, vbe):
