@@ -57,6 +57,7 @@ __all__ = [
     "request_ids",
     "request_pooled",
     "send_ids",
+    "forget_early",
     "started_early",
     "watch_requests",
     "wait_counts",
@@ -165,19 +166,24 @@ def _counts_to(kjt: KeyedJaggedTensor, layout: IdsLayout) -> list[int]:
     return ids_to
 
 
-# Exchanges a train pipeline started ahead of the forward that needs them: id(kjt) -> (kjt,
-# handle); and, while a pipeline probes its first batch, the requests the forward makes.
-_EARLY: dict[int, tuple[KeyedJaggedTensor, CountsHandle]] = {}
+# Exchanges a train pipeline started ahead of the forward that needs them: (id(kjt), layout)
+# -> (kjt, handle), one per collection reading that KJT; and, while a pipeline probes its
+# first batch, the requests the forward makes.
+_EARLY: dict[tuple[int, IdsLayout], tuple[KeyedJaggedTensor, CountsHandle]] = {}
 _WATCHED: list[list[tuple[KeyedJaggedTensor, IdsLayout]]] = []
 
 
-def started_early(kjt: KeyedJaggedTensor, handle: CountsHandle | None) -> None:
-    """``handle`` (None: forget it) is the exchange of ``kjt``, started ahead of its forward:
-    that forward's :func:`request_counts` of the same object and layout takes it over."""
-    if handle is None:
-        _EARLY.pop(id(kjt), None)
-    else:
-        _EARLY[id(kjt)] = (kjt, handle)
+def started_early(kjt: KeyedJaggedTensor, handle: CountsHandle) -> None:
+    """``handle`` is the exchange of ``kjt``, started ahead of its forward: that forward's
+    :func:`request_counts` of the same object and layout takes it over."""
+    _EARLY[(id(kjt), handle.layout)] = (kjt, handle)
+
+
+def forget_early(kjt: KeyedJaggedTensor, layout: IdsLayout) -> None:
+    """Drop the exchange :func:`started_early` registered for ``kjt`` and ``layout``, if any."""
+    entry = _EARLY.get((id(kjt), layout))
+    if entry is not None and entry[0] is kjt:
+        del _EARLY[(id(kjt), layout)]
 
 
 @contextlib.contextmanager
@@ -192,11 +198,12 @@ def watch_requests() -> Iterator[list[tuple[KeyedJaggedTensor, IdsLayout]]]:
         _WATCHED.remove(seen)
 
 
+@torch.compiler.disable  # dynamo would guard on the id of every batch's KJT
 def _take_early(kjt: KeyedJaggedTensor, layout: IdsLayout) -> CountsHandle | None:
-    entry = _EARLY.get(id(kjt))
-    if entry is None or entry[0] is not kjt or entry[1].layout != layout:
+    entry = _EARLY.get((id(kjt), layout))
+    if entry is None or entry[0] is not kjt:
         return None
-    del _EARLY[id(kjt)]
+    del _EARLY[(id(kjt), layout)]
     return entry[1]
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from typing import Any
 
 import torch
@@ -57,6 +58,8 @@ class InputDist:
         self._in_graph: set[int] = set()  # id(module) of those whose graph takes exchanges over
         self._probing = False
         self._watch = contextlib.ExitStack()
+        # A pipeline dropped without close() leaves no exchange for a later forward to take.
+        weakref.finalize(self, _forget_all, self._pending)
 
     def probe(self, batch: Any) -> None:
         """On the first batch: find the collections that receive ``batch.sparse`` itself."""
@@ -268,12 +271,21 @@ def _recording(m: nn.Module, forward: Any, parts: list[Any], seen: dict[int, int
 
 def _drain(request: Any) -> None:
     """Wait for an exchange no forward took over; a captured graph no longer may."""
+    _forget(request)
+    request[1].drain()
+
+
+def _forget(request: Any) -> None:
     from fxrec.distributed import dist_ops
 
     kjt, handle = request
     if kjt is not None:
-        dist_ops.started_early(kjt, None)
-    handle.drain()
+        dist_ops.forget_early(kjt, handle.layout)
+
+
+def _forget_all(pending: dict[int, tuple[Any, Any]]) -> None:
+    for _, request in pending.values():
+        _forget(request)
 
 
 def _forward_from_ids(m: Any, request: Any) -> Any:
