@@ -122,6 +122,7 @@ class OptimizedModule(nn.Module):
         self._traced: dict[Any, fx.GraphModule | None] = {}
         self._runners: dict[Any, Any] = {}
         self._communicates: set[Any] = set()
+        self._overflow: dict[Any, Any] = {}  # mode -> the capture past the signature cache
         self._dynamo_backend: Any = None
         self._submodules = list(model.modules())
         self._params_seen = _count_registrations()
@@ -169,6 +170,7 @@ class OptimizedModule(nn.Module):
                 )
             logger.info("fxrec: parameters %s were replaced; rebuilding graphs", changed[:3])
             self._runners.clear()
+            self._overflow.clear()
             self._traced.clear()
             self._params = now
         self._params_seen = _registered[0]
@@ -235,8 +237,6 @@ class OptimizedModule(nn.Module):
             if len(self._runners) < MAX_CACHED_SIGNATURES:
                 self._runners[key] = runner
             return runner
-        if len(self._runners) >= MAX_CACHED_SIGNATURES:  # the oldest signature makes room
-            del self._runners[next(iter(self._runners))]
         if mode not in self._traced:
             try:
                 self._traced[mode] = capture_symbolic(self.model)
@@ -253,9 +253,26 @@ class OptimizedModule(nn.Module):
                 note = f"symbolic trace does not run these inputs ({exc}); dynamo captures them"
                 logger.info("fxrec: %s", note)
                 self.fxrec_report.note(note)
+        if runner is None and len(self._runners) >= MAX_CACHED_SIGNATURES:
+            return self._overflow_runner(mode)  # not cached by key: it serves them all
         if runner is None:
             runner = self._checked(self._dynamo_runner(), args, kwargs, example)
+        if len(self._runners) >= MAX_CACHED_SIGNATURES:  # the oldest signature makes room
+            del self._runners[next(iter(self._runners))]
         self._runners[key] = runner
+        return runner
+
+    def _overflow_runner(self, mode: Any) -> Any:
+        """One dynamo capture with symbolic sizes for the signatures past the cache (more
+        batch sizes than it holds): a capture per signature would recompile on every call
+        once they take turns. Rules leave symbolic sizes alone, so those calls fuse less."""
+        runner = self._overflow.get(mode)
+        if runner is None:
+            runner = self._overflow[mode] = self._dynamo_runner(dynamic=True)
+            self.fxrec_report.note(
+                f"more than {MAX_CACHED_SIGNATURES} input signatures: the others share one "
+                "capture with symbolic sizes"
+            )
         return runner
 
     def _checked(self, runner: _DynamoRunner, args: tuple, kwargs: dict, example: bool) -> Any:
@@ -291,7 +308,7 @@ class OptimizedModule(nn.Module):
         self.fxrec_report.note(note)
         return _EagerRunner(self.model, self.fxrec_fused)
 
-    def _dynamo_runner(self) -> Any:
+    def _dynamo_runner(self, dynamic: bool | None = None) -> Any:
         """A dynamo capture of the model for one input signature, with a cache of its own.
 
         Dynamo keeps its compiled graphs per code object and, past ``recompile_limit``
@@ -316,12 +333,13 @@ class OptimizedModule(nn.Module):
         # Sizes static at first; one that changes within a signature (the ids of a KJT, which
         # signatures key by feature names) makes dynamo's one recompile symbolic in it. Not
         # for code shared with other signatures (a module compiled with its hooks).
-        dynamic = None if fn is not self.model else False
+        if dynamic is None and fn is self.model:
+            dynamic = False
         compiled = torch.compile(fn, backend=self._dynamo_backend, dynamic=dynamic)
         code, params = _code_and_params(fn, self.model)
         return _DynamoRunner(
             compiled, self._dynamo_backend, code, params, self.fxrec_report,
-            direct=not self._guards and code is not None,
+            direct=not self._guards and code is not None and not dynamic,
             fallback=_EagerRunner(self.model, self.fxrec_fused),
         )  # fmt: skip
 
@@ -390,6 +408,13 @@ class OptimizedModule(nn.Module):
             if id(p) not in members:
                 yield name, p
 
+    def requires_grad_(self, requires_grad: bool = True) -> OptimizedModule:
+        """Every parameter, laid-out members included (``parameters()`` leaves them out)."""
+        super().requires_grad_(requires_grad)
+        self.model.requires_grad_(requires_grad)
+        self.fxrec_fused.sync_requires_grad()
+        return self
+
     @property
     def _ddp_params_and_buffers_to_ignore(self) -> list[str]:
         """What ``DistributedDataParallel`` leaves alone: the laid-out members (read as
@@ -420,6 +445,7 @@ class OptimizedModule(nn.Module):
         super()._apply(fn, recurse)
         self.fxrec_fused.relink()
         self._runners.clear()  # graphs hold references to the old tensors
+        self._overflow.clear()
         self._traced.clear()
         self._params = dict(self.model.named_parameters(remove_duplicate=False))
         return self
@@ -429,7 +455,7 @@ class OptimizedModule(nn.Module):
         process-local state, and are rebuilt on the first calls after loading."""
         state = super().__getstate__()  # type: ignore[misc]
         state = dict(state)
-        for name in ("_traced", "_runners"):
+        for name in ("_traced", "_runners", "_overflow"):
             state[name] = {}
         state["_communicates"] = set()
         state["_dynamo_backend"] = None
@@ -473,18 +499,19 @@ def _keys_under_model(
             "assign=False"
         )
     module.__dict__["_loading_prefix"] = prefix
-    for key in [k for k in state_dict if k.startswith(prefix)]:
-        state_dict[f"{prefix}model.{key[len(prefix) :]}"] = state_dict.pop(key)
+    moved = {k: state_dict.pop(k) for k in [k for k in state_dict if k.startswith(prefix)]}
+    for key, value in moved.items():  # popped first: a key may become another's old name
+        state_dict[f"{prefix}model.{key[len(prefix) :]}"] = value
 
 
 def _missing_keys_as_saved(module: OptimizedModule, incompatible: Any) -> None:
-    """Missing keys named as the checkpoint names them, without the ``model.`` step."""
+    """Missing and unexpected keys named as checkpoints name them, without ``model.``."""
     prefix = module.__dict__.pop("_loading_prefix", None)
     if prefix is None:
         return
     inner = f"{prefix}model."
-    keys = incompatible.missing_keys
-    keys[:] = [prefix + k[len(inner) :] if k.startswith(inner) else k for k in keys]
+    for keys in (incompatible.missing_keys, incompatible.unexpected_keys):
+        keys[:] = [prefix + k[len(inner) :] if k.startswith(inner) else k for k in keys]
 
 
 _copies = itertools.count()

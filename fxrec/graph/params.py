@@ -116,6 +116,7 @@ class FusedParameters(nn.Module):
                 raise RuntimeError(f"fxrec: the members of fxrec_fused.{name} were not copied.")
             out.add(how, copies)  # type: ignore[arg-type]
             getattr(out, name).requires_grad_(getattr(self, name).requires_grad)
+        out._synced = dict(self._synced)
         out.frozen = self.frozen
         return out
 

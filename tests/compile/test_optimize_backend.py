@@ -210,3 +210,26 @@ def test_random_draws_do_not_send_an_inductor_capture_to_eager() -> None:
     opt.eval()
     model.eval()
     torch.testing.assert_close(opt(x), model(x))
+
+
+def test_more_signatures_than_the_cache_holds_stop_recompiling() -> None:
+    """Batch sizes past the cache share one symbolic capture; taking turns recompiles nothing."""
+    from fxrec.graph.module import MAX_CACHED_SIGNATURES
+
+    model = ZipNorms()
+    ref = copy.deepcopy(model)
+    opt = fxrec.optimize(model, (torch.randn(16, 32),), backend="eager")
+    sizes = range(2, MAX_CACHED_SIGNATURES + 6)
+    graphs = []
+    for _ in range(2):
+        for b in sizes:
+            x, w = torch.randn(b, 32), torch.randn(b, 32)
+            out = opt(x)
+            torch.testing.assert_close(out, ref(x))
+            (out * w).sum().backward()
+            (ref(x) * w).sum().backward()
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[1] == graphs[0]  # the second round compiled nothing
+    assert any("share one capture" in n for n in opt.fxrec_report.notes)
+    for name, g in opt.fxrec_fused.grads(model).items():  # gradients reached the flat tensors
+        torch.testing.assert_close(g, dict(ref.named_parameters())[name].grad)

@@ -286,6 +286,37 @@ def test_checkpoints_of_a_module_holding_an_optimized_one() -> None:
         wrapped.load_state_dict(plain.state_dict(), assign=True)
 
 
+def test_nested_checkpoint_of_a_model_with_a_child_named_model() -> None:
+    class Inner(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = nn.LayerNorm(4)
+            self.model = nn.Module()
+            self.model.norm = nn.LayerNorm(4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.model.norm(self.norm(x))
+
+    class Outer(nn.Module):
+        def __init__(self, body: nn.Module) -> None:
+            super().__init__()
+            self.body = body
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.body(x)
+
+    source = Outer(Inner())
+    for p in source.parameters():
+        nn.init.normal_(p)
+    wrapped = Outer(fxrec.optimize(Inner(), (torch.randn(2, 4),)))
+    result = wrapped.load_state_dict(
+        {**source.state_dict(), "body.stale": torch.zeros(1)}, strict=False
+    )
+    assert result.unexpected_keys == ["body.stale"] and not result.missing_keys
+    x = torch.randn(2, 4)
+    torch.testing.assert_close(wrapped(x), source(x))
+
+
 @pytest.mark.parametrize("untraceable", [False, True], ids=["symbolic", "dynamo"])
 def test_freezing_and_unfreezing_the_whole_optimized_module(untraceable: bool) -> None:
     # requires_grad_ on the optimized module reaches the flat parameters, not the members:
@@ -306,6 +337,12 @@ def test_freezing_and_unfreezing_the_whole_optimized_module(untraceable: bool) -
     assert all(p.requires_grad for p in model.parameters())
     out.sum().backward()
     assert all(g is not None for g in _grads(opt, model).values())
+    model.requires_grad_(False)  # two changes without a call between: the last one wins
+    opt.requires_grad_(True)
+    assert opt(x).requires_grad and all(p.requires_grad for p in opt.parameters())
+    opt.requires_grad_(False)
+    frozen = copy.deepcopy(opt)  # a copy keeps the freeze
+    assert not frozen(x).requires_grad
 
 
 @pytest.mark.parametrize("untraceable", [False, True], ids=["symbolic", "dynamo"])
