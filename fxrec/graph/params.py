@@ -41,6 +41,7 @@ class _Member:
     tensor: torch.Tensor  # the user's Parameter or buffer object
     index: int  # position along dim 0 of the flat tensor (stacked layout)
     offset: int  # start row in the flat tensor (concatenated layout)
+    ptr: int = 0  # where its data was pointed last: another address means new data
 
 
 def _member_slice(flat: torch.Tensor, how: str, m: _Member) -> torch.Tensor:
@@ -87,8 +88,11 @@ class FusedParameters(nn.Module):
         the members' flags (``opt.model.tower.requires_grad_(False)``) go to it. Freezing
         only some members cannot be expressed by one tensor, so it raises with what to do.
         """
-        for name, (_, members) in self._members.items():
+        for name, (how, members) in self._members.items():
             flat = getattr(self, name)
+            stray = [m for m in members if m.tensor.data_ptr() != m.ptr]
+            if stray:
+                self._take_back(name, how, flat, stray)
             if not isinstance(flat, nn.Parameter):
                 continue
             wanted = flat.requires_grad
@@ -106,6 +110,25 @@ class FusedParameters(nn.Module):
                     )
                 flat.requires_grad_(flags.pop())
             self._synced[name] = flat.requires_grad
+
+    def _take_back(self, name: str, how: str, flat: torch.Tensor, stray: list[_Member]) -> None:
+        """Members given new data since they were laid out (``member.data = t``): the values
+        go into the flat tensor, and the members view it again. Data of another shape, dtype
+        or device (the model converted instead of the optimized module) cannot, and raises."""
+        for m in stray:
+            t = m.tensor
+            part = _member_slice(flat.data, how, m)
+            if (t.shape, t.dtype, t.device) != (part.shape, part.dtype, part.device):
+                raise RuntimeError(
+                    f"fxrec: a parameter laid out in fxrec_fused.{name} now holds data of "
+                    f"another shape, dtype or device ({tuple(t.shape)}, {t.dtype}, {t.device}) "
+                    "than that flat tensor, which the optimizer holds. Convert the optimized "
+                    "module (opt.to(...), opt.double()) rather than the model, or optimize again."
+                )
+            with torch.no_grad():
+                part.copy_(t.data)
+            t.data = part
+            m.ptr = t.data_ptr()
 
     def copy_layouts(self, memo: dict[int, object]) -> FusedParameters:
         """The same layouts over deep copies of the members (``memo``: ``copy.deepcopy``'s)."""
@@ -210,6 +233,7 @@ class FusedParameters(nn.Module):
             flat = getattr(self, n)
             for m in members:
                 m.tensor.data = _member_slice(flat.data, how, m)
+                m.ptr = m.tensor.data_ptr()
 
     def check_conversion(self, fn: object) -> None:
         """Refuse a conversion (``module._apply``'s ``fn``) that would give members new tensor

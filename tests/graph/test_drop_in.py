@@ -245,6 +245,24 @@ def test_past_dynamos_recompile_limit_gradients_still_reach_the_flat_parameters(
     torch._dynamo.reset()
 
 
+def test_new_data_given_to_a_laid_out_member_goes_into_the_flat_parameter() -> None:
+    model = Norms()
+    ref = copy.deepcopy(model)
+    opt = fxrec.optimize(model, (torch.randn(8, 4 * D),))
+    x = torch.randn(8, 4 * D)
+    for m in (model, ref):
+        m.norms[0].weight.data = torch.full((D,), 2.0)
+    torch.testing.assert_close(opt(x), ref(x))
+    _step(opt, list(opt.parameters()), x, torch.ones(8, 4 * D))
+    _step(ref, list(ref.parameters()), x, torch.ones(8, 4 * D))
+    torch.testing.assert_close(model.norms[0].weight, ref.norms[0].weight)  # still trained
+    model.double()  # the model converted, not the optimized module: its flat tensors are not
+    with pytest.raises(RuntimeError, match=r"Convert the optimized module \(opt.to"):
+        opt(x.double())
+    opt.double()
+    torch.testing.assert_close(opt(x.double()), ref.double()(x.double()), rtol=TOL, atol=TOL)
+
+
 def test_conversions_that_replace_parameter_objects_are_refused() -> None:
     model = Norms()
     opt = fxrec.optimize(model, (torch.randn(8, 4 * D),))
