@@ -184,54 +184,26 @@ def pooled_lookup(
     if check_ids and ids.device.type != "cpu" and validation_enabled():
         check_on_device(hash_size_cumsum, ids, offsets, names)
     try:
-        return _lookup_op(
-            weight,
-            weights_offsets,
-            d_offsets,
-            hash_size_cumsum,
-            ids,
-            offsets,
-            total_dim,
-            dim,
-            hash_bits,
-            pooling,
-            per_sample_weights,
+        return torch.ops.fbgemm.dense_embedding_codegen_lookup_function(
+            dev_weights=weight.view(-1),
+            weights_offsets=weights_offsets,
+            D_offsets=d_offsets,
+            total_D=total_dim,
+            max_D=dim,
+            hash_size_cumsum=hash_size_cumsum,
+            total_hash_size_bits=hash_bits,
+            indices=ids,
+            offsets=offsets,
+            pooling_mode=pooling,
+            indice_weights=None if per_sample_weights is None else per_sample_weights.float(),
+            feature_requires_grad=None,
+            output_dtype=0,
         )
     except RuntimeError as exc:
         err = out_of_range(hash_size_cumsum, ids, offsets, names)
         if err is None:
             raise
         raise err from exc
-
-
-def _lookup_op(
-    weight: torch.Tensor,
-    weights_offsets: torch.Tensor,
-    d_offsets: torch.Tensor,
-    hash_size_cumsum: torch.Tensor,
-    ids: torch.Tensor,
-    offsets: torch.Tensor,
-    total_dim: int,
-    dim: int,
-    hash_bits: int,
-    pooling: int,
-    per_sample_weights: torch.Tensor | None,
-) -> torch.Tensor:
-    return torch.ops.fbgemm.dense_embedding_codegen_lookup_function(
-        dev_weights=weight.view(-1),
-        weights_offsets=weights_offsets,
-        D_offsets=d_offsets,
-        total_D=total_dim,
-        max_D=dim,
-        hash_size_cumsum=hash_size_cumsum,
-        total_hash_size_bits=hash_bits,
-        indices=ids,
-        offsets=offsets,
-        pooling_mode=pooling,
-        indice_weights=None if per_sample_weights is None else per_sample_weights.float(),
-        feature_requires_grad=None,
-        output_dtype=0,
-    )
 
 
 def check_on_device(

@@ -147,13 +147,18 @@ class DictAndJT(nn.Module):
         return torch.cat([x, y, z], 1) * dense
 
 
-def test_dict_of_jagged_tensors_and_a_jagged_tensor():
-    g = torch.Generator().manual_seed(0)
-    kjt = make_kjt(["x", "y", "solo"], 5, g, weighted=True, vbe=False)
+def _dict_and_jt_args(seed: int, batch: int):  # type: ignore[no-untyped-def]
+    """DictAndJT's inputs: features x (unweighted) and y (weighted), solo, dense."""
+    g = torch.Generator().manual_seed(seed)
+    kjt = make_kjt(["x", "y", "solo"], batch, g, weighted=True, vbe=False)
     d = kjt.to_dict()
     feats = {"x": JaggedTensor(d["x"].values(), lengths=d["x"].lengths()), "y": d["y"]}
     solo = JaggedTensor(d["solo"].values(), lengths=d["solo"].lengths())
-    dense = torch.randn(5, 6, generator=g)
+    return feats, solo, torch.randn(batch, 6, generator=g)
+
+
+def test_dict_of_jagged_tensors_and_a_jagged_tensor():
+    feats, solo, dense = _dict_and_jt_args(0, 5)
     model = DictAndJT()
     new, packer = combine_inputs(model, (feats, solo, dense))
     assert n_split_nodes(new) == 1
@@ -167,12 +172,7 @@ def test_dict_of_jagged_tensors_and_a_jagged_tensor():
 
 def test_a_jagged_tensor_argument_named_like_a_feature():
     # the argument's name is only fxrec's key for it: a feature of that name is no clash
-    g = torch.Generator().manual_seed(1)
-    kjt = make_kjt(["x", "y", "solo"], 4, g, weighted=True, vbe=False)
-    d = kjt.to_dict()
-    feats = {"x": JaggedTensor(d["x"].values(), lengths=d["x"].lengths()), "y": d["y"]}
-    solo = JaggedTensor(d["solo"].values(), lengths=d["solo"].lengths())
-    dense = torch.randn(4, 6, generator=g)
+    feats, solo, dense = _dict_and_jt_args(1, 4)
     feats["solo"] = solo  # a feature named like the argument; the model does not read it
 
     model = DictAndJT()
