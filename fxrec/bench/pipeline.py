@@ -161,7 +161,7 @@ def _measure(variants: list[Variant], cfg: BenchConfig, device: torch.device) ->
         v.loader.host_s = 0.0
         if v.stats is not None:
             v.stats.host_s, v.stats.copies, v.stats.steps = 0.0, 0, 0
-            v.stats.prepared = 0
+            v.stats.prepared = v.stats.sent_early = 0
     total = cfg.rounds * len(variants) * cfg.steps_per_round
     bar = tqdm(total=total, desc="pipeline", unit="step", disable=None, leave=False)
     for r in range(cfg.rounds):
@@ -306,8 +306,9 @@ def run(
         if v.stats is not None:
             host += v.stats.host_s / steps * 1e3
             copies = v.stats.copies / max(v.stats.steps, 1)
+            early = v.stats.sent_early / max(v.stats.steps, 1)
         else:
-            copies = v.copies
+            copies, early = v.copies, 0.0
         # Without fxrec the model converts TD input itself; the pipelines move that
         # conversion into their host stage once they have seen it (then it is host input).
         conv = td_conv if (v.input == "td" and v.fxrec == "off") else 0.0
@@ -326,6 +327,7 @@ def run(
                 "td_to_kjt_in_step_ms": 0.0 if ahead else conv,
                 "td_to_kjt_in_host_stage_ms": conv if ahead else 0.0,
                 "h2d_copies_per_batch": copies,
+                "ids_sent_early": early,  # share of steps whose ids went out a step ahead
                 "round_p50_ms": [
                     statistics.median(v.times[r : r + cfg.steps_per_round]) * 1e3  # type: ignore[index]
                     for r in range(0, steps, cfg.steps_per_round)
@@ -360,6 +362,7 @@ def run(
                 "TD->KJT in step ms",
                 "TD->KJT in host stage ms",
                 "H2D copies",
+                "ids sent early",
             ],
             [
                 [
@@ -372,6 +375,7 @@ def run(
                     r["td_to_kjt_in_step_ms"],
                     r["td_to_kjt_in_host_stage_ms"],
                     r["h2d_copies_per_batch"],
+                    f"{r['ids_sent_early']:.0%}",
                 ]
                 for r in rows
             ],

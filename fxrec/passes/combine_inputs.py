@@ -276,27 +276,9 @@ def _maybe_unweighted(jt: JaggedTensor, weighted: bool) -> JaggedTensor:
 def _kjt_slice(
     cf: CombinedFeatures, start: int, count: int, weighted: Sequence[bool]
 ) -> KeyedJaggedTensor:
-    """Features ``start .. start+count`` of ``cf`` as a KJT of views (no copy).
-
-    ``weighted``: those features' flags (weights are dropped if none of them had any).
-    """
-    lpk = cf.length_per_key
-    spk = cf.stride_per_key
-    a, b = sum(lpk[:start]), sum(lpk[: start + count])
-    la, lb = sum(spk[:start]), sum(spk[: start + count])
-    mine = list(spk[start : start + count])
-    uniform = all(s == mine[0] for s in mine) if mine else True
-    w = cf.weights
-    keep_w = w is not None and any(weighted)
-    return KeyedJaggedTensor._make(
-        list(cf.keys[start : start + count]),
-        cf.values[a:b],
-        w[a:b] if keep_w else None,
-        cf.lengths[la:lb],
-        stride=(mine[0] if mine else 0) if uniform else None,
-        stride_per_key=None if uniform else mine,
-        length_per_key=list(lpk[start : start + count]),
-    )
+    """Features ``start .. start+count`` of ``cf`` as a KJT of views (no copy); ``weighted``:
+    those features' flags (weights are dropped if none of them had any)."""
+    return cf.kjt_slice(start, count, any(weighted))
 
 
 # -- device side: leaf modules that rebuild the original argument types -----------------------
@@ -568,6 +550,7 @@ def combine_inputs(
             target = str(node.target)
             root[target] = _get(wrapper if target.startswith("fxrec_combined_") else gm, target)
     new = fx.GraphModule(root, graph, f"Combined{type(model).__name__}")
+    _adopt_hierarchy(new, model)
     new.graph.eliminate_dead_code()
     new.graph.lint()
     new.recompile()
@@ -580,6 +563,20 @@ def combine_inputs(
         "one permute_and_split" if ops_needed else "views only",
     )
     return new, packer
+
+
+def _adopt_hierarchy(new: fx.GraphModule, model: nn.Module) -> None:
+    """Give ``new`` the model's own children and tensors, not the stubs ``fx.GraphModule``
+    builds on the paths the graph uses: submodules traced through (a sharded collection, whose
+    checkpoint hooks take each rank's tables and which train pipelines look for) and tensors
+    the forward never reads (a buffer) stay part of the module and of its ``state_dict``."""
+    for name, child in model.named_children():
+        setattr(new, name, child)
+    for name, p in model.named_parameters(recurse=False):
+        new.register_parameter(name, p)
+    for name, b in model.named_buffers(recurse=False):
+        new.register_buffer(name, b, persistent=name not in model._non_persistent_buffers_set)
+    new.training = model.training  # (not train(): its children keep their own modes)
 
 
 def _get(obj: Any, target: str) -> Any:

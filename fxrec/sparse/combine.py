@@ -68,6 +68,34 @@ class CombinedFeatures:
         """The tensors a host-to-device transfer moves."""
         return [t for t in (self.values, self.lengths, self.weights) if t is not None]
 
+    def kjt_slice(self, start: int, count: int, weighted: bool = True) -> KeyedJaggedTensor:
+        """Features ``start .. start+count`` as a KJT of views (no copy), without weights
+        unless ``weighted``.
+
+        Asked again, the same slice is the same object (kept with these features, which are
+        immutable): a train pipeline that sends a batch's ids early registers its exchange
+        under the very KJT the model's graph later rebuilds from the batch.
+        """
+        key = (start, count, weighted and self.weights is not None)
+        compiling = torch.compiler.is_compiling()
+        kept = {} if compiling else self.__dict__.setdefault(_SLICES, {})
+        kjt = kept.get(key)
+        if kjt is None:
+            kjt = _slice(self, *key)
+            if not compiling:
+                kept[key] = kjt
+        return kjt
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Copies and pickles leave the kept slices behind (views of the original tensors)."""
+        state = dict(self.__dict__)
+        state.pop(_SLICES, None)
+        return state
+
+    def kept_slices(self) -> dict[tuple[int, int, bool], KeyedJaggedTensor]:
+        """The slices :meth:`kjt_slice` made, by ``(start, count, weighted)``."""
+        return dict(self.__dict__.get(_SLICES, {}))
+
     def index(self, keys: Sequence[str]) -> list[int]:
         """Positions of ``keys`` (``ValueError`` naming an unknown key)."""
         pos = {k: i for i, k in enumerate(self.keys)}
@@ -79,6 +107,27 @@ class CombinedFeatures:
                 )
             out.append(pos[k])
         return out
+
+
+_SLICES = "_fxrec_kjt_slices"
+
+
+def _slice(cf: CombinedFeatures, start: int, count: int, weighted: bool) -> KeyedJaggedTensor:
+    lpk = cf.length_per_key
+    spk = cf.stride_per_key
+    a, b = sum(lpk[:start]), sum(lpk[: start + count])
+    la, lb = sum(spk[:start]), sum(spk[: start + count])
+    mine = list(spk[start : start + count])
+    uniform = all(s == mine[0] for s in mine) if mine else True
+    return KeyedJaggedTensor._make(
+        list(cf.keys[start : start + count]),
+        cf.values[a:b],
+        cf.weights[a:b] if weighted and cf.weights is not None else None,
+        cf.lengths[la:lb],
+        stride=(mine[0] if mine else 0) if uniform else None,
+        stride_per_key=None if uniform else mine,
+        length_per_key=list(lpk[start : start + count]),
+    )
 
 
 def pack_features(
@@ -130,17 +179,7 @@ def pack_features(
 
 def combined_to_kjt(cf: CombinedFeatures, keys: Sequence[str] | None = None) -> KeyedJaggedTensor:
     """A KJT over the combined tensors: a zero-copy view, or permuted to ``keys``' order."""
-    spk = list(cf.stride_per_key)
-    uniform = all(s == spk[0] for s in spk) if spk else True
-    kjt = KeyedJaggedTensor._make(
-        list(cf.keys),
-        cf.values,
-        cf.weights,
-        cf.lengths,
-        stride=(spk[0] if spk else 0) if uniform else None,
-        stride_per_key=None if uniform else spk,
-        length_per_key=list(cf.length_per_key),
-    )
+    kjt = _slice(cf, 0, len(cf.keys), True)
     if keys is None or list(keys) == list(cf.keys):
         return kjt
     return kjt.permute(cf.index(keys))

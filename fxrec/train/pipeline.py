@@ -65,6 +65,7 @@ class PipelineStats:
     host_s: float = 0.0
     copies: int = 0
     prepared: int = 0  # TensorDicts converted to KJTs in the host stage
+    sent_early: int = 0  # batches whose ids went to their ranks while the batch before trained
 
 
 def bce_loss(output: Any, batch: Batch) -> torch.Tensor:
@@ -417,6 +418,7 @@ class TrainPipelineSparseDist(TrainPipelineBase):
             if self._next is not None and self._next[2] is None:
                 try:
                     self._input_dist.start(self._next[1])
+                    self.stats.sent_early += bool(self._input_dist.enabled)
                 except Exception as err:  # a bad next batch fails as itself, not as batch i
                     self._fail_next(err)
             else:  # failed or no more data: the other ranks must hear it, and skip it too

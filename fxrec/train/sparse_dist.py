@@ -7,7 +7,8 @@ does, its ``forward`` is swapped, on that instance only, for one that consumes i
 their way (TorchRec's pipelines rewrite the sharded modules' forwards the same way). Inside a
 graph captured by ``fxrec.optimize`` the module is no longer called: there the pipeline
 watches the graph's id-count requests instead, and if one receives the batch's KJT as it is
-(a TensorDict's KJT kept with it), the graph's request takes over the exchange the pipeline
+(a TensorDict's KJT kept with it, or for combined features the KJT slice of them the graph
+rebuilds, kept with them too), the graph's request takes over the exchange the pipeline
 started (see ``dist_ops.started_early``). Otherwise (the model transforms the features
 first) the collection keeps requesting its own ids in its forward and the pipeline only
 overlaps the reading and copying of batches.
@@ -33,6 +34,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fxrec.sparse import CombinedFeatures
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["InputDist", "RollCall"]
@@ -54,7 +57,9 @@ class InputDist:
         self.enabled: list[nn.Module] = []
         self._probed = not self.modules
         self._pending: dict[int, tuple[Any, Any]] = {}  # id(module) -> (features, (kjt, handle))
-        self._where: dict[int, int] = {}  # id(module) -> which part of batch.sparse it reads
+        # id(module) -> which part of batch.sparse it reads, and for combined features, which
+        # of their KJT slices (fxrec.sparse.CombinedFeatures.kjt_slice's arguments)
+        self._where: dict[int, tuple[int, tuple[int, int, bool] | None]] = {}
         self._in_graph: set[int] = set()  # id(module) of those whose graph takes exchanges over
         self._probing = False
         self._watch = contextlib.ExitStack()
@@ -94,7 +99,8 @@ class InputDist:
         self._watch.close()
         self._probing = False
         for m in self.modules:
-            where = self._seen.get(id(m))
+            seen = self._seen.get(id(m))
+            where = None if seen is None else (seen, None)
             if where is not None:
                 self._install(m)
             else:
@@ -111,19 +117,25 @@ class InputDist:
                     type(m).__name__,
                 )
 
-    def _graph_reads(self, m: nn.Module) -> int | None:
+    def _graph_reads(self, m: nn.Module) -> tuple[int, tuple[int, int, bool] | None] | None:
         """Which part of the first batch's sparse input a captured graph handed, as it is,
-        to ``m``'s id-count request (None: it transformed it, or never made one)."""
+        to ``m``'s id-count request, and which KJT slice of it for combined features (None:
+        it transformed it, or never made one)."""
         from fxrec.distributed.sharded_ebc import as_kjt
 
         asked = [kjt for kjt, layout in self._requests if layout == m._layout]
         for i, part in enumerate(self._parts):
+            if isinstance(part, CombinedFeatures):  # the graph rebuilt a KJT slice of it
+                for key, kjt in part.kept_slices().items():
+                    if any(a is kjt for a in asked):
+                        return i, key
+                continue
             try:
                 kjt = as_kjt(part)  # a TensorDict: the KJT kept with it in probe()
             except (TypeError, ValueError):
                 continue
             if any(a is kjt for a in asked):
-                return i
+                return i, None
         return None
 
     def _install(self, m: nn.Module) -> None:
@@ -155,8 +167,11 @@ class InputDist:
         for m in self.enabled:
             self._drop_stale(m)
             if error is None:
-                features = parts[self._where[id(m)]]
+                part, piece = self._where[id(m)]
+                features = parts[part]
                 try:
+                    if piece is not None:  # the slice the graph will rebuild, that very KJT
+                        features = features.kjt_slice(*piece)
                     kjt, handle = m.request_counts(features)
                     self._pending[id(m)] = (features, (kjt, handle))
                     if id(m) in self._in_graph:

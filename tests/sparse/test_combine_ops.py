@@ -238,3 +238,42 @@ def test_combined_features_is_a_pytree() -> None:
     assert sum(isinstance(x, torch.Tensor) for x in leaves) == 2
     back = tree_unflatten(leaves, spec)
     assert back.keys == cf.keys and back.length_per_key == cf.length_per_key
+
+
+@given(ref_features(), st.data())
+def test_kjt_slice_is_kept_with_the_features(ref: RefFeatures, data: st.DataObject) -> None:
+    """A slice asked again is the same KJT (how a pipeline's early exchange is matched with
+    the graph's); it holds exactly those features, weights only when asked for."""
+    import copy
+    import pickle
+
+    cf = pack_features(ref.kjt())
+    n = len(ref.keys)
+    start = data.draw(st.integers(0, n))
+    count = data.draw(st.integers(0, n - start))
+    weighted = data.draw(st.booleans())
+    kjt = cf.kjt_slice(start, count, weighted)
+    assert cf.kjt_slice(start, count, weighted) is kjt
+    picked = list(range(start, start + count))
+    got, want = kjt_bags(kjt), ref_bags(ref.select(picked))
+    if not weighted:
+        got, want = [(k, b) for k, b, _ in got], [(k, b) for k, b, _ in want]
+    assert got == want
+    assert (kjt.weights_or_none() is not None) == (weighted and cf.weights is not None)
+    assert kjt.values().untyped_storage().data_ptr() == cf.values.untyped_storage().data_ptr()
+    key = (start, count, weighted and cf.weights is not None)
+    assert cf.kept_slices() == {key: kjt}
+    for other in (copy.deepcopy(cf), pickle.loads(pickle.dumps(cf)), cf.to("cpu")):
+        assert other.kept_slices() == {}
+        assert other.kjt_slice(start, count, weighted) is not kjt
+
+
+def test_kjt_slice_is_not_kept_while_compiling() -> None:
+    cf = pack_features(S.KeyedJaggedTensor(["a"], torch.arange(3), lengths=torch.tensor([1, 2])))
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def lengths_of(values, lengths):
+        c = CombinedFeatures(("a",), values, lengths, None, (2,), (3,))
+        return c.kjt_slice(0, 1).lengths() + 1
+
+    torch.testing.assert_close(lengths_of(cf.values, cf.lengths), cf.lengths + 1)

@@ -273,6 +273,51 @@ def test_state_dict_keys_are_the_models():
     torch.testing.assert_close(model.over.weight, other.over.weight)
 
 
+class _Hooked(nn.Module):
+    """A submodule tracing goes through, whose checkpoints pass through a load hook."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 1)
+        self.loaded = 0
+        self._register_load_state_dict_pre_hook(self._count)
+
+    def _count(self, *args) -> None:  # type: ignore[no-untyped-def]
+        self.loaded += 1
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+class _WithUnusedBuffer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = TinyRanker(["f0", "f1"])
+        self.head = _Hooked()
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))  # never read
+        self.register_buffer("scratch", torch.zeros(2), persistent=False)
+
+    def forward(self, dense, kjt):
+        return self.head(torch.cat([self.inner(dense, kjt)] * 4, 1))
+
+
+def test_the_models_own_submodules_and_tensors_stay():
+    """Modules traced through keep their type and hooks (a sharded collection takes each
+    rank's tables in one); a buffer the forward never reads stays in the state_dict."""
+    model = _WithUnusedBuffer()
+    model.inner.eval()  # children keep their own modes
+    g = torch.Generator().manual_seed(0)
+    args = (torch.randn(2, 3), make_kjt(["f0", "f1"], 2, g, False, False))
+    new, packer = combine_inputs(model, args)
+    assert new.head is model.head and new.inner is model.inner
+    assert new.steps is model.steps and "scratch" not in new.state_dict()
+    assert set(new.state_dict()) == set(model.state_dict())
+    assert new.training and not new.inner.training
+    new.load_state_dict(model.state_dict())
+    assert model.head.loaded == 1
+    torch.testing.assert_close(new(*packer(*args)), model(*args), rtol=0, atol=0)
+
+
 def test_clear_errors():
     model = TinyRanker(["f0"])
     with pytest.raises(ValueError, match="no sparse inputs"):

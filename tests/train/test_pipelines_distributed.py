@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from fxrec.train import TrainPipelineBase, TrainPipelineSparseDist
+from fxrec.train import Batch, TrainPipelineBase, TrainPipelineSparseDist
 from tests.train.helpers import DENSE, NUM_EMB, make_batches, params
 
 pytestmark = pytest.mark.distributed
@@ -53,18 +53,32 @@ def _build(row_wise: tuple[str, ...] = (), reorder: bool = False):
 
 
 def _pipelines_agree(
-    rank: int, world: int, input_type: str, row_wise: tuple[str, ...], optimized: bool
+    rank: int, world: int, input_type: str, row_wise: tuple[str, ...], mode: str
 ) -> None:
+    """``mode``: "eager", "optimized" (the collection runs inside fxrec.optimize's graph, its
+    forward is never called) or "combined" (that graph takes combined inputs and rebuilds the
+    collection's KJT from them)."""
     import fxrec
     from fxrec.distributed import dist_ops
+    from fxrec.passes.combine_inputs import combine_inputs
 
     batches = make_batches(KEYS, 5, input_type=input_type, weighted=True, seed=10 + rank)
+    optimized = mode != "eager"
     results = []
     for cls in (TrainPipelineBase, TrainPipelineSparseDist):
         model, opt = _build(row_wise)
-        run = model
-        if optimized:  # the collection runs inside the graph: its forward is never called
-            run = fxrec.optimize(model, (batches[0].dense, batches[0].sparse))
+        run: nn.Module = model
+        host_fn = None
+        example = (batches[0].dense, batches[0].sparse)
+        if mode == "combined":
+            run, packer = combine_inputs(model, example)
+
+            def host_fn(b, packer=packer):  # type: ignore[no-untyped-def]
+                return Batch(b.dense, packer(b.dense, b.sparse)[1], b.labels)
+
+            example = (batches[0].dense, host_fn(batches[0]).sparse)
+        if optimized:
+            run = fxrec.optimize(run, example)
             opt = torch.optim.SGD(run.parameters(), lr=0.1)
         taken: list[object] = []  # exchanges started early that a forward took over
         take = dist_ops._take_early
@@ -76,7 +90,7 @@ def _pipelines_agree(
             return handle
 
         dist_ops._take_early = spy_take
-        with cls(run, opt) as pipe:
+        with cls(run, opt, host_fn=host_fn) as pipe:
             it = iter(batches)
             losses = []
             before_advance: list[bool] = []
@@ -101,6 +115,7 @@ def _pipelines_agree(
             assert before_advance and not any(before_advance)
             # inside the graph, every batch but the first took over its early exchange
             assert len(taken) == (len(batches) - 1 if optimized else 0)
+            assert pipe.stats.sent_early == len(batches) - 1
         results.append((losses, params(model)))
     (l0, p0), (l1, p1) = results
     assert l1 == pytest.approx(l0, rel=1e-6, abs=1e-7)
@@ -112,19 +127,21 @@ def _pipelines_agree(
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(not _have_collection(), reason="needs fxrec.nn.EmbeddingBagCollection")
 @pytest.mark.parametrize(
-    "input_type,row_wise,optimized",
+    "input_type,row_wise,mode",
     [
-        ("kjt", (), False),
-        ("td", (), False),
-        ("kjt", ("t1",), False),
-        ("kjt", (), True),
-        ("td", ("t1",), True),
+        ("kjt", (), "eager"),
+        ("td", (), "eager"),
+        ("kjt", ("t1",), "eager"),
+        ("kjt", (), "optimized"),
+        ("td", ("t1",), "optimized"),
+        ("kjt", ("t1",), "combined"),
+        ("td", (), "combined"),
     ],
 )
-def test_two_ranks_same_losses_and_parameters(input_type, row_wise, optimized):
+def test_two_ranks_same_losses_and_parameters(input_type, row_wise, mode):
     from tests.distributed.launch import run_ranks
 
-    run_ranks(2, _pipelines_agree, input_type, row_wise, optimized, timeout=30.0, deadline=100.0)
+    run_ranks(2, _pipelines_agree, input_type, row_wise, mode, timeout=30.0, deadline=100.0)
 
 
 class _Loader:
