@@ -78,7 +78,8 @@ class FusedParameters(nn.Module):
         a graph built later (another input shape, eval mode) would take its members away from
         that optimizer.
         """
-        self.frozen = True
+        if not self.frozen:  # (written once: under torch.export a write is a side effect)
+            self.frozen = True
 
     def sync_requires_grad(self) -> None:
         """Keep each flat parameter's ``requires_grad`` and its members' the same.
@@ -109,7 +110,8 @@ class FusedParameters(nn.Module):
                         "trainable ones), or optimize with keep_params=True."
                     )
                 flat.requires_grad_(flags.pop())
-            self._synced[name] = flat.requires_grad
+            if self._synced.get(name) is not flat.requires_grad:
+                self._synced[name] = flat.requires_grad
 
     def _take_back(self, name: str, how: str, flat: torch.Tensor, stray: list[_Member]) -> None:
         """Members given new data since they were laid out (``member.data = t``): the values

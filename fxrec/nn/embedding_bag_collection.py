@@ -414,6 +414,8 @@ class EmbeddingBagCollection(nn.Module):
         plan = self._plans.get(keys)
         if plan is None:
             plan = make_plan(keys, self._layout)
+            if torch.compiler.is_exporting():  # an exported program holds no module state
+                return plan
             if len(self._plans) >= _PLAN_CACHE_SIZE:
                 self._plans.pop(next(iter(self._plans)))
             self._plans[keys] = plan
@@ -427,7 +429,8 @@ class EmbeddingBagCollection(nn.Module):
         if c is None:
             with torch.inference_mode(False):
                 c = self._build_const(gi, device, what)
-            self._device_consts[key] = c
+            if not torch.compiler.is_exporting():  # (export traces with fake tensors)
+                self._device_consts[key] = c
         return c
 
     def _build_const(self, gi: int, device: torch.device, what: str) -> Any:

@@ -133,7 +133,12 @@ def check_offsets_against_lengths(
 
 def read_ints(t: torch.Tensor) -> list[int]:
     """One host read of a small integer tensor."""
-    return [int(x) for x in t.tolist()]
+    out = t.tolist()
+    if out and not isinstance(out[0], int):  # unbacked sizes (non-strict torch.export)
+        for x in out:
+            torch._check(x >= 0)
+        return out
+    return [int(x) for x in out]
 
 
 def lengths_from_offsets(
