@@ -49,7 +49,13 @@ import torch
 import torch.fx as fx
 
 from fxrec.graph import meta
-from fxrec.graph.effects import comm_kind, has_side_effects, mutates_input
+from fxrec.graph.effects import (
+    _is_view,
+    comm_kind,
+    has_side_effects,
+    mutates_input,
+    written_target,
+)
 from fxrec.graph.rule import LocalRule, RewriteContext, register
 
 logger = logging.getLogger(__name__)
@@ -81,11 +87,39 @@ def _dependencies(nodes: Sequence[fx.Node]) -> dict[fx.Node, set[fx.Node]]:
         for a in effects[:i]:
             if not _commute(a, b):
                 deps[b].add(a)
+    _order_writes(nodes, deps)
     # The output and placeholders stay where they are.
     out = [n for n in nodes if n.op == "output"]
     for o in out:
         deps[o] |= {n for n in nodes if n is not o}
     return deps
+
+
+def _storage(node: fx.Node) -> fx.Node:
+    """The node whose memory ``node``'s result may share (followed through views)."""
+    while _is_view(node) and node.args and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
+
+
+def _order_writes(nodes: Sequence[fx.Node], deps: dict[fx.Node, set[fx.Node]]) -> None:
+    """An in-place write stays after every node that reads the memory it writes before it
+    (``cat([h, ...])`` then ``h.relu_()``), and every later reader stays after it, whichever
+    node (the tensor, a view, its base) they read it through."""
+    readers: dict[fx.Node, list[fx.Node]] = {}
+    writer: dict[fx.Node, fx.Node] = {}
+    for n in nodes:
+        mem = {_storage(a) for a in n.all_input_nodes}
+        for m in mem:
+            if m in writer:
+                deps[n].add(writer[m])
+        target = written_target(n) if mutates_input(n) else None
+        if isinstance(target, fx.Node):
+            m = _storage(target)
+            deps[n].update(r for r in readers.get(m, ()) if r is not n)
+            writer[m] = n
+        for m in mem:
+            readers.setdefault(m, []).append(n)
 
 
 def _ancestors_of(roots: Sequence[fx.Node], deps: dict[fx.Node, set[fx.Node]]) -> set[fx.Node]:
