@@ -581,6 +581,7 @@ class _DynamoRunner:
         self.try_direct = direct
         self.direct: Any = None
         self.grad_mode = True
+        self.routes_checked = False
 
     # Never traced into by an outer torch.compile (``torch.compile(fxrec.optimize(m))``):
     # dynamo would inline the model's own forward, on the parameters fxrec laid out, instead
@@ -617,6 +618,8 @@ class _DynamoRunner:
             return self.fallback(*args, **kwargs)
         try:
             with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+                if not self.routes_checked and torch.is_grad_enabled():
+                    return self._checking_routes(args, kwargs)
                 return self.compiled(*args, **kwargs)
         except torch._dynamo.exc.FailOnRecompileLimitHit:
             self.exhausted = True
@@ -627,6 +630,61 @@ class _DynamoRunner:
         logger.warning("fxrec: %s", note)
         self.report.note(note)
         return self.fallback(*args, **kwargs)
+
+    def _checking_routes(self, args: tuple, kwargs: dict) -> Any:
+        """The first call with autograd: does any gradient go to a laid-out member?
+
+        Dynamo runs the code around a graph break (a hook it cannot compile, say) eagerly,
+        on the members; their gradients would never reach the flat parameters the optimizer
+        holds. If the call's autograd graph reaches a member, this call is run again, and
+        later ones run, through the laid-out parameters (the model eagerly): slower, right.
+        """
+        self.routes_checked = True
+        members = self.fallback.owner.member_ids()
+        if not members:
+            return self.compiled(*args, **kwargs)
+        state = _preserved_state(self.fallback.model)
+        state.__enter__()
+        try:
+            result = self.compiled(*args, **kwargs)
+            stray = _reaches_leaves(result, members)
+        except BaseException as exc:
+            state.__exit__(type(exc), exc, exc.__traceback__)
+            raise
+        if not stray:
+            state.rng.__exit__(None, None, None)  # keep what the call did
+            return result
+        state.__exit__(None, None, None)  # undone: the call runs again
+        self.exhausted = True
+        note = (
+            "dynamo runs part of the forward outside its graphs (a graph break: a hook it "
+            "cannot compile?) on parameters laid out in flat tensors; those calls run the "
+            "model eagerly, through the flat parameters, so that their gradients reach them"
+        )
+        logger.warning("fxrec: %s", note)
+        self.report.note(note)
+        return self.fallback(*args, **kwargs)
+
+
+def _reaches_leaves(result: Any, leaves: set[int]) -> bool:
+    """Does the autograd graph behind ``result``'s tensors accumulate into one of ``leaves``
+    (tensor ids)?"""
+    from torch.utils._pytree import tree_leaves
+
+    todo = [
+        t.grad_fn for t in tree_leaves(result) if isinstance(t, torch.Tensor) and t.grad_fn
+    ]
+    seen: set[int] = set()
+    while todo:
+        fn = todo.pop()
+        if id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        var = getattr(fn, "variable", None)  # AccumulateGrad: the leaf it accumulates into
+        if var is not None and id(var) in leaves:
+            return True
+        todo.extend(f for f, _ in fn.next_functions if f is not None)
+    return False
 
 
 def _hook_ids(index: int, m: nn.Module) -> tuple:

@@ -494,6 +494,28 @@ def test_hooks_on_submodules_run_as_in_the_model(untraceable: bool, when: str) -
             p.grad = None
 
 
+@pytest.mark.filterwarnings("ignore:Full backward hook is firing")
+@pytest.mark.parametrize("hook", ["item", "full_backward"])
+def test_hooks_dynamo_cannot_compile_still_train_the_flat_parameters(hook: str) -> None:
+    """A hook registered after optimize that dynamo runs outside its graphs (``.item()``
+    breaks the graph; full backward hooks are not compiled): the code around the break
+    reads the members, whose gradients the optimizer would never see."""
+    model = Norms(untraceable=True)
+    ref = copy.deepcopy(model)
+    opt = fxrec.optimize(model, (torch.randn(8, 4 * D),))
+    logged: dict[str, list[float]] = {"ours": [], "theirs": []}
+    for m, log in ((model, logged["ours"]), (ref, logged["theirs"])):
+        if hook == "item":
+            m.norms[1].register_forward_hook(lambda _m, i, o, log=log: log.append(o.sum().item()))
+        else:
+            m.norms[1].register_full_backward_hook(
+                lambda _m, gi, go: tuple(None if g is None else 2 * g for g in gi)
+            )
+    _same_training(model, ref, opt, [8, 8, 5], 4 * D)
+    assert any("graph break" in n for n in opt.fxrec_report.notes), opt.fxrec_report.notes
+    assert hook != "item" or logged["ours"]
+
+
 @pytest.mark.parametrize("untraceable", [False, True], ids=["symbolic", "dynamo"])
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 @pytest.mark.parametrize("optimized_in", [False, True], ids=["outside", "inside"])
