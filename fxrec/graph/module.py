@@ -408,6 +408,16 @@ class OptimizedModule(nn.Module):
             if id(p) not in members:
                 yield name, p
 
+    def named_buffers(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, torch.Tensor]]:  # type: ignore[override]
+        """The buffers once each: fused ones (running statistics) replace their members, so
+        a loop over ``buffers()`` (an EMA of them) updates each value once."""
+        members = self.fxrec_fused.member_ids()
+        for name, b in super().named_buffers(prefix, recurse, remove_duplicate):
+            if id(b) not in members:
+                yield name, b
+
     def requires_grad_(self, requires_grad: bool = True) -> OptimizedModule:
         """Every parameter, laid-out members included (``parameters()`` leaves them out)."""
         super().requires_grad_(requires_grad)

@@ -165,6 +165,40 @@ def test_submodules_put_in_eval_mode_alone(guards: bool) -> None:
     assert int(model.bns[1].num_batches_tracked) == 0
 
 
+class LinearBatchNorms(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.ModuleList(nn.Linear(2 * D, D) for _ in range(4))
+        self.bns = nn.ModuleList(nn.BatchNorm1d(D) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([bn(lin(x)) for lin, bn in zip(self.lin, self.bns)], 1)
+
+
+def test_an_ema_of_parameters_and_buffers_moves_each_value_once() -> None:
+    """``AveragedModel(opt, use_buffers=True)`` (the EMA recipe) averages what
+    ``parameters()`` and ``buffers()`` list: fused running statistics must appear once."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    model = LinearBatchNorms()
+    ref = copy.deepcopy(model)
+    opt = fxrec.optimize(model, (torch.randn(32, 2 * D),))
+    assert len(list(opt.fxrec_fused.buffers())) > 0  # the running statistics are laid out
+    assert len(list(opt.buffers())) < len(list(ref.buffers()))
+    emas = []
+    for m in (ref, opt):
+        ema = AveragedModel(m, multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=True)
+        torch.manual_seed(1)
+        for _ in range(3):
+            m(torch.randn(32, 2 * D))  # a training forward moves the running statistics
+            ema.update_parameters(m)
+        emas.append(ema.module.state_dict())
+    want, got = emas
+    assert want.keys() == got.keys()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], msg=k)
+
+
 def test_freezing_laid_out_parameters_after_optimize() -> None:
     model = Norms()
     ref = copy.deepcopy(model)
