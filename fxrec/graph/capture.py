@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -43,13 +44,29 @@ class CaptureError(RuntimeError):
 
 
 class FxrecTracer(fx.Tracer):
-    """Symbolic tracer that keeps fxrec's and TorchRec's sparse modules as leaves, and
-    refuses activation checkpointing (it would trace through it, dropping the recomputation
-    and keeping every activation; dynamo keeps the checkpointed region)."""
+    """Symbolic tracer that keeps fxrec's and TorchRec's sparse modules as leaves.
+
+    It refuses what a symbolic trace would silently get wrong (dynamo gets each right):
+    activation checkpointing (traced through, dropping the recomputation), grad-mode and
+    autocast regions inside ``forward`` (``with torch.no_grad():``: a graph records no mode
+    change), and random draws from constant arguments (``torch.randn(4, 8)`` runs once,
+    at trace time, and its result would be a constant of the graph).
+    """
 
     def trace(self, root: Any, concrete_args: Any = None) -> fx.Graph:
-        with _checkpoint_refused():
-            return super().trace(root, concrete_args)
+        self._modes = _modes()
+        with _checkpoint_refused(), _constant_draws_refused():
+            graph = super().trace(root, concrete_args)
+        _refuse_written_constants(graph)
+        return graph
+
+    def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
+        if _modes() != getattr(self, "_modes", _modes()):
+            raise CaptureError(
+                "symbolic tracing skipped: forward switches grad mode or autocast inside "
+                "(torch.no_grad, torch.autocast), which a trace would drop"
+            )
+        return super().create_node(*args, **kwargs)
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         if getattr(m, "_fxrec_leaf", False):
@@ -79,6 +96,70 @@ def _checkpoint_refused() -> Iterator[None]:
         ckpt._checkpoint_without_reentrant_generator = saved_gen
 
 
+def _modes() -> tuple:
+    """Grad mode, inference mode and autocast state: what a traced graph cannot record."""
+    return (
+        torch.is_grad_enabled(),
+        torch.is_inference_mode_enabled(),
+        *(
+            torch.get_autocast_dtype(d) if torch.is_autocast_enabled(d) else None
+            for d in ("cpu", "cuda")
+        ),
+    )
+
+
+_RANDOM_FACTORIES = ("rand", "randn", "randint", "randperm", "normal", "poisson", "bernoulli")
+
+
+@contextlib.contextmanager
+def _constant_draws_refused() -> Iterator[None]:
+    """``torch.randn(4, 8)`` (no traced argument) raises while tracing: it would run once."""
+    saved = {name: getattr(torch, name) for name in _RANDOM_FACTORIES}
+    tracing = threading.get_ident()  # other threads (a pipeline's loader) draw as usual
+
+    def guarded(name: str, fn: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if threading.get_ident() == tracing and not any(
+                isinstance(a, fx.Proxy) for a in (*args, *kwargs.values())
+            ):
+                raise CaptureError(
+                    f"symbolic tracing skipped: forward draws random numbers from constant "
+                    f"arguments (torch.{name}), which a trace would draw once"
+                )
+            return fn(*args, **kwargs)
+
+        return call
+
+    for name, fn in saved.items():
+        setattr(torch, name, guarded(name, fn))
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch, name, fn)
+
+
+def _refuse_written_constants(graph: fx.Graph) -> None:
+    """A tensor made at trace time (``torch.zeros(4, 8)``) is one constant of the graph: the
+    graph must not write it in place (every call would see the last call's writes), nor
+    return it (the caller could)."""
+    from fxrec.graph.effects import mutates_input, written_target
+
+    def constant(n: Any) -> bool:
+        return isinstance(n, fx.Node) and n.op == "get_attr" and "_tensor_constant" in str(
+            n.target
+        )
+
+    for node in graph.nodes:
+        written = written_target(node) if mutates_input(node) else None
+        returned = node.op == "output" and any(constant(a) for a in node.all_input_nodes)
+        if constant(written) or returned:
+            raise CaptureError(
+                "symbolic tracing skipped: forward writes in place or returns a tensor it "
+                "builds from constants (torch.zeros(4, 8)), which a trace would build once"
+            )
+
+
 def capture_symbolic(model: nn.Module) -> fx.GraphModule:
     """Trace ``model`` with :class:`FxrecTracer`; raises :class:`CaptureError` on failure."""
     params = inspect.signature(model.forward).parameters.values()
@@ -97,6 +178,8 @@ def capture_symbolic(model: nn.Module) -> fx.GraphModule:
         graph = tracer.trace(model)
         # Code generation fails too, e.g. on ``forward(x, y=None, *, z)``.
         gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
+    except CaptureError:
+        raise
     except Exception as exc:  # tracing fails in many, unpredictable ways
         raise CaptureError(f"symbolic tracing failed: {type(exc).__name__}: {exc}") from exc
     finally:
