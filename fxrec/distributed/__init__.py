@@ -9,6 +9,7 @@ travel by all-to-all, each written as a request and a wait so that the overlap p
 from __future__ import annotations
 
 from fxrec.distributed.comm import CommError, CommStats, MissingBatch, init_distributed, stats
+from fxrec.distributed.ddp import ignore_sharded_in_ddp, rank_local_names
 from fxrec.distributed.plan import ShardingPlan, TableSpec, greedy_plan
 from fxrec.distributed.sharded_ebc import ShardedEmbeddingBagCollection, shard, table_specs
 
@@ -20,7 +21,9 @@ __all__ = [
     "ShardingPlan",
     "TableSpec",
     "greedy_plan",
+    "ignore_sharded_in_ddp",
     "init_distributed",
+    "rank_local_names",
     "shard",
     "stats",
     "table_specs",

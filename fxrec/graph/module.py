@@ -431,8 +431,9 @@ class OptimizedModule(nn.Module):
         ``model.*``), whose values and gradients live in the flat parameters it syncs.
 
         DDP finds parameters by walking every submodule, past ``named_parameters``; it would
-        wait for gradients the members never get. Names the model itself asks DDP to ignore
-        (or set on this module) are kept.
+        wait for gradients the members never get. Sharded collections' tables, which are
+        each rank's own, are left alone too; names the model itself asks DDP to ignore (or
+        set on this module) are kept.
         """
         members = self.fxrec_fused.member_ids()
         names = [
@@ -444,6 +445,7 @@ class OptimizedModule(nn.Module):
             if id(t) in members
         ]
         own = getattr(self.model, "_ddp_params_and_buffers_to_ignore", ())
+        own = [*own, *_rank_local(self.model)]
         return [*names, *(f"model.{n}" for n in own), *self.__dict__.get("_ddp_ignored", ())]
 
     @_ddp_params_and_buffers_to_ignore.setter
@@ -674,6 +676,15 @@ class _DynamoRunner:
         logger.warning("fxrec: %s", note)
         self.report.note(note)
         return self.fallback(*args, **kwargs)
+
+
+def _rank_local(model: nn.Module) -> list[str]:
+    """The sharded collections' tensors of ``model`` (none without torch.distributed)."""
+    try:
+        from fxrec.distributed.ddp import rank_local_names
+    except ImportError:
+        return []
+    return rank_local_names(model)
 
 
 def _reaches_leaves(result: Any, leaves: set[int]) -> bool:

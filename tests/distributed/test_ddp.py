@@ -58,3 +58,71 @@ def _same_training(rank: int, world: int) -> None:
 @pytest.mark.timeout(120)
 def test_ddp_over_an_optimized_module_trains_like_ddp_over_the_model() -> None:
     run_ranks(2, _same_training, timeout=30.0, deadline=100.0)
+
+
+class ShardedRanker(nn.Module):
+    def __init__(self, sparse: nn.Module) -> None:
+        super().__init__()
+        self.dense = nn.Linear(6, 4)
+        self.sparse = sparse
+        self.over = nn.Linear(12, 1)
+
+    def forward(self, dense: torch.Tensor, features) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        return self.over(torch.cat([self.dense(dense), self.sparse(features).values()], 1))
+
+
+def _tables_stay_each_ranks_own(rank: int, world: int, wrap: str) -> None:
+    """Two tables of one shape on two ranks: DDP must neither broadcast rank 0's table over
+    rank 1's nor average their gradients; the dense part is synced as usual."""
+    import torch.distributed as dist
+
+    from fxrec.distributed import ignore_sharded_in_ddp, shard
+    from fxrec.nn import EmbeddingBagCollection, EmbeddingBagConfig
+    from fxrec.sparse import KeyedJaggedTensor
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        tables = [
+            EmbeddingBagConfig(num_embeddings=10, embedding_dim=4, name=f"t{i}", feature_names=[f"f{i}"])
+            for i in range(2)
+        ]
+        return ShardedRanker(shard(EmbeddingBagCollection(tables=tables)))
+
+    g = torch.Generator().manual_seed(rank)
+    batches = []
+    for _ in range(3):
+        lengths = torch.randint(0, 3, (8,), generator=g)
+        ids = torch.randint(0, 10, (int(lengths.sum()),), generator=g)
+        kjt = KeyedJaggedTensor.from_lengths_sync(["f0", "f1"], ids, lengths)
+        batches.append((torch.randn(4, 6, generator=g), kjt))
+    ref = build()
+    sgd = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for dense, kjt in batches:  # by hand: dense gradients averaged, tables' left alone
+        sgd.zero_grad()
+        ref(dense, kjt).pow(2).mean().backward()
+        for p in (*ref.dense.parameters(), *ref.over.parameters()):
+            dist.all_reduce(p.grad)
+            p.grad /= world
+        sgd.step()
+    model = build()
+    tables = {k: v.clone() for k, v in model.sparse.state_dict().items()}
+    if wrap == "model":
+        ddp = DDP(ignore_sharded_in_ddp(model))
+    else:
+        ddp = DDP(fxrec.optimize(model, batches[0]))
+    for k, v in model.sparse.state_dict().items():
+        assert torch.equal(v, tables[k]), k  # not overwritten by rank 0's
+    sgd = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for dense, kjt in batches:
+        sgd.zero_grad()
+        ddp(dense, kjt).pow(2).mean().backward()
+        sgd.step()
+    want = ref.state_dict()
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, want[k], rtol=1e-5, atol=1e-6, msg=k)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("wrap", ["model", "optimized"])
+def test_ddp_leaves_sharded_tables_to_their_ranks(wrap: str) -> None:
+    run_ranks(2, _tables_stay_each_ranks_own, wrap, timeout=30.0, deadline=100.0)
