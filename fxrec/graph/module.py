@@ -237,6 +237,19 @@ class OptimizedModule(nn.Module):
             if len(self._runners) < MAX_CACHED_SIGNATURES:
                 self._runners[key] = runner
             return runner
+        if mode in self._communicates and any(k[0] == mode for k in self._runners):
+            # Inputs of a new structure (a KJT's keys in another order) on a model whose
+            # graphs communicate, maybe on this rank alone: building would run a new graph's
+            # collectives here only. The model runs eagerly for them: the same collectives,
+            # in the same order as the other ranks' graphs.
+            self.fxrec_report.note(
+                "inputs of a new structure on a model whose graphs communicate run the model "
+                "eagerly (building a graph would run collectives on this rank alone)"
+            )
+            runner = _EagerRunner(self.model, self.fxrec_fused)
+            if len(self._runners) < MAX_CACHED_SIGNATURES:
+                self._runners[key] = runner
+            return runner
         if mode not in self._traced:
             try:
                 self._traced[mode] = capture_symbolic(self.model)

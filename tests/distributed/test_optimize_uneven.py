@@ -37,3 +37,32 @@ def _uneven_steps(rank: int, world: int) -> None:
 @pytest.mark.distributed
 def test_ranks_changing_batch_size_at_different_steps() -> None:
     run_ranks(2, _uneven_steps, deadline=120.0)
+
+
+def _keys_reordered_on_one_rank(rank: int, world: int) -> None:
+    """Rank 0's batch comes with its keys in another order, once: a new input structure. It
+    runs the model eagerly (same collectives as rank 1's graph), not a new graph's build."""
+    from tests.distributed.test_sharded_ebc import make_batch
+
+    ebc, model = tiny_sharded_dlrm(())
+    first = make_batch(ebc, rank, 4, False)
+    opt = fxrec.optimize(model, (torch.randn(4, 6), first), rules=["default", "overlap_comm"])
+    for step in range(3):
+        kjt = make_batch(ebc, rank + 10 * step, 4, False)
+        if rank == 0 and step == 1:
+            kjt = kjt.permute(list(range(len(kjt.keys())))[::-1])
+        dense = torch.randn(4, 6)
+        got = opt(dense, kjt)
+        (grad,) = torch.autograd.grad(got.sum(), model.over.weight)
+        want = model(dense, kjt)
+        (want_grad,) = torch.autograd.grad(want.sum(), model.over.weight)
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(grad, want_grad)
+    new_structure = any("new structure" in n for n in opt.fxrec_report.notes)
+    assert new_structure == (rank == 0)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_a_new_input_structure_on_one_rank() -> None:
+    run_ranks(2, _keys_reordered_on_one_rank, timeout=20.0, deadline=100.0)
