@@ -15,6 +15,7 @@ _EXPORTS = {
     # graph optimizer
     "optimize": "fxrec.graph.module",
     "OptimizedModule": "fxrec.graph.module",
+    "param_groups": "fxrec.graph.param_groups",
     "Report": "fxrec.graph.report",
     "count_kernels": "fxrec.measure",
     "KernelCount": "fxrec.measure",
