@@ -156,9 +156,14 @@ def _run_horizontal(
 def _effect_between(
     part: Sequence[fx.Node], reach: Reachability, ctx: RewriteContext
 ) -> str | None:
-    """Why the fused node may not go where the last member is: an in-place write or a random
-    draw between the members that does not depend on them would then run before reads of
-    the earlier members' results that now wait for the fused node (or after draws they make).
+    """Why the fused node may not go where the last member is.
+
+    A random draw between the members that does not depend on them would then run before
+    reads of the earlier members' results that now wait for the fused node (or after draws
+    they make). An in-place write between them, whatever it depends on, may write what a
+    later member reads (``t.add_(a)`` before ``tanh(t)``): the fused node would read it
+    before the write, or a write that reads an earlier member would move after the reads of
+    its target that follow it.
     """
     effects = reach.effect_positions(ctx.cached(_reorders_badly))
     if not effects:
@@ -167,8 +172,10 @@ def _effect_between(
     lo, hi = min(idx), max(idx)
     members = reach.mask(part)
     for pos in effects[bisect.bisect_right(effects, lo) : bisect.bisect_left(effects, hi)]:
+        if mutates_input(reach.nodes[pos]):
+            return "a tensor written in place between the members"
         if not reach.ancestors[pos] & members:
-            return "an in-place write or a random draw lies between the members"
+            return "a random draw lies between the members"
     return None
 
 

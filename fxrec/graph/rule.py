@@ -323,6 +323,21 @@ def registered_rules() -> dict[str, type[Rule]]:
     return dict(ordered)
 
 
+def exact(v: Any) -> Hashable:
+    """``v`` as a key part that tells apart what compares equal but computes differently:
+    ``1``, ``1.0`` and ``True`` (an int bound keeps an int result), ``0.0`` and ``-0.0``
+    (``x / -0.0``)."""
+    if isinstance(v, bool):
+        return ("bool", v)
+    if isinstance(v, int):
+        return ("int", v)
+    if isinstance(v, float):
+        return ("float", v.hex())
+    if isinstance(v, (tuple, list)):
+        return (type(v).__name__, tuple(exact(x) for x in v))
+    return v
+
+
 def same_device_and_dtype(infos: Sequence[meta.TensorInfo | None]) -> bool:
     """Horizontal fusion needs one dtype and one device across members."""
     if any(i is None for i in infos):

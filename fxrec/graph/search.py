@@ -32,9 +32,11 @@ class Reachability:
 
     def __init__(self, graph: fx.Graph) -> None:
         self.index: dict[fx.Node, int] = {}
+        self.nodes: list[fx.Node] = []  # by index
         self.ancestors: list[int] = []
         for i, node in enumerate(graph.nodes):
             self.index[node] = i
+            self.nodes.append(node)
             acc = 0
             for inp in node._input_nodes:  # the dict all_input_nodes copies
                 j = self.index.get(inp)

@@ -69,6 +69,8 @@ def _freeze(v: Any) -> Any:
     t = type(v)  # exact-type shortcuts first: they give what the checks below give
     if t is fx.Node:
         return ("node", v)
+    if t is float:
+        return (float, v.hex())  # 0.0 and -0.0 differ (x / -0.0)
     if t in _EXACT_ATOMS:
         return (t, v)
     if t in _EXACT_SEQUENCES:

@@ -24,7 +24,7 @@ from fxrec.graph.cost import copy_reason
 from fxrec.graph.effects import member_refusal, mutates_input
 from fxrec.graph.horizontal import Gathered, gather, scatter
 from fxrec.graph.pieces import contiguous_range
-from fxrec.graph.rule import HorizontalRule, RewriteContext, register
+from fxrec.graph.rule import HorizontalRule, RewriteContext, exact, register
 
 __all__ = [
     "BinaryOp",
@@ -184,7 +184,10 @@ class FuseParallelUnary(HorizontalRule):
         if ti is None or not ti.static or ti.ndim == 0:
             return None
         # Members must agree on everything but the size of the dim they are joined along.
-        return (op.name, op.extra, ti.dtype, ti.device, ti.ndim, ti.shape[:-1], mutates_input(node))
+        return (
+            op.name, exact(op.extra), ti.dtype, ti.device, ti.ndim, ti.shape[:-1],
+            mutates_input(node),
+        )  # fmt: skip
 
     def refuse_reason(self, group: Sequence[fx.Node], ctx: RewriteContext) -> str | None:
         if mutates_input(group[0]):
@@ -273,7 +276,7 @@ def binary_op(node: fx.Node) -> BinaryOp | None:
 
 def _side_key(side: Any, ctx: RewriteContext) -> Hashable | None:
     if not isinstance(side, fx.Node):
-        return ("number", side)
+        return ("number", exact(side))
     ti = ctx.info(side)
     if ti is None or not ti.static or ti.ndim == 0:
         return None
@@ -306,7 +309,10 @@ class FuseParallelBinary(HorizontalRule):
         if any(s[0] == "tensor" and s[2] != oi.shape for s in sides):  # type: ignore[index]
             return None  # broadcasting
         kinds = tuple(s[:2] if s[0] == "tensor" else s for s in sides)  # type: ignore[index]
-        return ("binary", op.name, op.extra, kinds, oi.dtype, oi.device, oi.ndim, oi.shape[:-1])
+        return (
+            "binary", op.name, exact(op.extra), kinds, oi.dtype, oi.device, oi.ndim,
+            oi.shape[:-1],
+        )  # fmt: skip
 
     def refuse_reason(self, group: Sequence[fx.Node], ctx: RewriteContext) -> str | None:
         if (why := member_refusal(group)) is not None:

@@ -38,7 +38,7 @@ import torch
 import torch.fx as fx
 
 from fxrec.graph import meta
-from fxrec.graph.effects import mutates_input, written_in_place
+from fxrec.graph.effects import _is_view, mutates_input, written_in_place
 from fxrec.graph.pieces import SPLIT_LIKE, Piece, piece_of, split_sizes
 from fxrec.graph.rule import LocalRule, RewriteContext, register
 
@@ -172,8 +172,12 @@ def _aliasing_changes(result: fx.Node, base: Any) -> bool:
         return True
     if not isinstance(base, fx.Node):
         return False
-    if written_in_place(base):
-        return True
+    while True:  # ``base`` and the tensors it is a view of (``t[:, :8]``: ``t`` too)
+        if written_in_place(base):
+            return True
+        if not (_is_view(base) and base.args and isinstance(base.args[0], fx.Node)):
+            break
+        base = base.args[0]
     returned = any(u.op == "output" for u in result.users)
     return returned and base.op in ("placeholder", "get_attr")
 
