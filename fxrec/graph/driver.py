@@ -29,6 +29,7 @@ from fxrec.graph.effects import (
     has_hooks,
     has_side_effects,
     is_random,
+    mode_regions,
     mutates_input,
     written_target,
 )
@@ -199,10 +200,13 @@ def _buckets(
     Buckets too small to hold a set are dropped here, before any dependency work.
     """
     key, index = rule.key, reach.index
+    regions = mode_regions(ctx.graph)  # no fusion across grad-mode or autocast regions
     out: dict[Hashable, list[fx.Node]] = {}
     for n in _candidates(rule, ctx.graph):
         if n in index:
             k = key(n, ctx)
+            if k is not None and regions is not None:
+                k = (regions.get(n), k)
             if k is not None:
                 members = out.get(k)
                 if members is None:

@@ -7,7 +7,7 @@ handle the effect explicitly (e.g. the BatchNorm rule keeps running statistics e
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import torch
@@ -177,6 +177,46 @@ def _is_view(node: fx.Node) -> bool:
     if node.op == "call_method":
         return node.target in _VIEW_METHODS
     return node.op == "call_function" and node.target in _VIEW_FUNCTIONS
+
+
+def _mode_switch(node: fx.Node) -> tuple[str, Any] | None:
+    """A node of a dynamo graph that switches grad mode, inference mode or autocast."""
+    if node.op != "call_function":
+        return None
+    name = getattr(node.target, "__name__", "")
+    if node.target is torch._C._set_grad_enabled:
+        return ("grad", node.args[0] if node.args else None)
+    if name in ("_enter_autocast", "_enter_inference_mode"):
+        return ("enter", (name, *map(str, node.args)))
+    if name in ("_exit_autocast", "_exit_inference_mode"):
+        return ("exit", None)
+    return None
+
+
+def mode_regions(graph: fx.Graph) -> dict[fx.Node, Hashable] | None:
+    """The grad mode and autocast state each node of ``graph`` runs in (None: one for all).
+
+    Dynamo graphs keep ``with torch.no_grad():`` and autocast regions as mode-switching
+    nodes; computations in two regions differ (one records no gradient, one runs in another
+    dtype) even when their nodes look alike, so rules must not fuse or merge across them.
+    """
+    if not any(_mode_switch(n) for n in graph.nodes):
+        return None
+    grad: Any = True
+    stack: list[Any] = []
+    out: dict[fx.Node, Hashable] = {}
+    for n in graph.nodes:
+        switch = _mode_switch(n)
+        if switch is not None:
+            kind, arg = switch
+            if kind == "grad":
+                grad = arg
+            elif kind == "enter":
+                stack.append(arg)
+            elif stack:
+                stack.pop()
+        out[n] = (grad, tuple(stack))
+    return out
 
 
 def member_refusal(group: Sequence[fx.Node]) -> str | None:

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from fxrec.graph.effects import has_side_effects, is_random, mutates_input
+from fxrec.graph.effects import has_side_effects, is_random, mode_regions, mutates_input
 from fxrec.graph.pieces import SPLIT_FUNCTIONS, split_sizes
 from fxrec.graph.rule import LocalRule, RewriteContext, register
 
@@ -166,16 +166,19 @@ class Dedup(LocalRule):
         self._graph: fx.Graph | None = None
         self._seen: dict[Any, fx.Node] = {}
         self._tainted: set[fx.Node] | None = None
+        self._regions: dict[fx.Node, Any] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled without the last sweep's graph (a module holding the rules is saved)."""
-        return {"_graph": None, "_seen": {}, "_tainted": None}
+        return {"_graph": None, "_seen": {}, "_tainted": None, "_regions": None}
 
     def begin_sweep(self, ctx: RewriteContext) -> None:
         """Fresh table, fresh view of mutations."""
         self._graph = ctx.graph
         self._seen = {}
         self._tainted = None  # see _reads_written
+        # no merging across grad-mode or autocast regions (dynamo graphs keep them as nodes)
+        self._regions = mode_regions(ctx.graph)
 
     def _reads_written(self, node: fx.Node, ctx: RewriteContext) -> bool:
         """``node in _reading_written_memory(graph)`` as of the start of the sweep.
@@ -202,6 +205,8 @@ class Dedup(LocalRule):
         key = ctx.cached(_computation_key)(node)
         if key is None:
             return None
+        if self._regions is not None:
+            key = (self._regions.get(node), key)
         # Purity (cse_key's other half) is tested only when two nodes share a key, not for
         # every node. The table may then hold an impure node: it counts as no twin, as if it
         # had never been entered, and the next node with its key takes its place.

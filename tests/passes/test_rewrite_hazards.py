@@ -87,3 +87,57 @@ def test_int_and_float_bounds_keep_their_result_dtypes() -> None:
     opt = fxrec.optimize(model, ints, check=False)
     xs = tuple(torch.randint(-3, 3, (4, 8)) for _ in range(3))
     _compare(opt(*xs), model(*xs))
+
+
+class NormsOneWithoutGrad(nn.Module):
+    """Four parallel LayerNorms, one run under no_grad (dynamo keeps the region as nodes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norms = nn.ModuleList(nn.LayerNorm(8) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        parts = x.split(8, 1)
+        with torch.no_grad():
+            first = self.norms[0](parts[0])
+        rest = [n(p) for n, p in zip(self.norms[1:], parts[1:])]
+        return torch.cat([first, *rest], 1)
+
+
+class TargetWithoutGrad(nn.Module):
+    """The same Linear, once under no_grad (a target), once with grad (the prediction)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            target = self.lin(x)
+        return (self.lin(x) - target).pow(2).sum() + self.lin(x).sum()
+
+
+@pytest.mark.parametrize("cls", [NormsOneWithoutGrad, TargetWithoutGrad], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("entry", ["optimize", "compile_backend"])
+def test_no_fusion_or_merging_across_grad_mode_regions(cls: type[nn.Module], entry: str) -> None:
+    torch.manual_seed(0)
+    model = cls()
+    if entry == "optimize":
+        run = fxrec.optimize(model, (torch.randn(4, 32),), check=False)
+    else:
+        torch._dynamo.reset()
+        run = torch.compile(model, backend=fxrec.compile_backend())
+    x = torch.randn(4, 32)
+    xo, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+    got, want = run(xo), model(xr)
+    assert got.requires_grad == want.requires_grad
+    torch.testing.assert_close(got, want)
+    grads = []
+    for out, inp in ((got, xo), (want, xr)):
+        model.zero_grad()
+        out.sum().backward()
+        grads.append([inp.grad, *(p.grad for p in model.parameters())])
+    for g, w in zip(*grads):
+        assert (g is None) == (w is None)
+        if w is not None:
+            torch.testing.assert_close(g, w)
