@@ -668,19 +668,12 @@ class _DynamoRunner:
         members = self.fallback.owner.member_ids()
         if not members:
             return self.compiled(*args, **kwargs)
-        state = _preserved_state(self.fallback.model)
-        state.__enter__()
-        try:
+        with _preserved_state(self.fallback.model) as state:  # undone unless kept
             result = self.compiled(*args, **kwargs)
-            stray = _reaches_leaves(result, members)
-        except BaseException as exc:
-            state.__exit__(type(exc), exc, exc.__traceback__)
-            raise
-        if not stray:
-            state.rng.__exit__(None, None, None)  # keep what the call did
-            return result
-        state.__exit__(None, None, None)  # undone: the call runs again
-        self.exhausted = True
+            if not _reaches_leaves(result, members):
+                state.keep()
+                return result
+        self.exhausted = True  # the call runs again, through the flat parameters
         note = (
             "dynamo runs part of the forward outside its graphs (a graph break: a hook it "
             "cannot compile?) on parameters laid out in flat tensors; those calls run the "
@@ -807,14 +800,24 @@ class _preserved_state:
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
+        self.kept = False
 
-    def __enter__(self) -> None:
+    def __enter__(self) -> _preserved_state:
         self.buffers = [(b, b.detach().clone()) for b in self.model.buffers()]
         self.rng = torch.random.fork_rng(devices=[])
         self.rng.__enter__()
+        return self
+
+    def keep(self) -> None:
+        """Let what ran stand (statistics and the RNG stream as the run left them)."""
+        self.kept = True
 
     def __exit__(self, *exc: Any) -> None:
+        after = torch.get_rng_state()
         self.rng.__exit__(*exc)
+        if self.kept:
+            torch.set_rng_state(after)
+            return
         with torch.no_grad():
             for b, saved in self.buffers:
                 b.copy_(saved)
