@@ -3,7 +3,7 @@
 Every collective fxrec issues goes through here so that
 
 * a peer that died or never arrived becomes a :class:`CommError` naming the operation and
-  the configured timeout, raised on the surviving ranks within that timeout (gloo and NCCL
+  the group's timeout, raised on the surviving ranks within that timeout (gloo and NCCL
   enforce the process group's ``timeout``; we only translate their messages);
 * the time a rank spends *blocked* on communication in the forward pass (inside a wait, or
   in a synchronous exchange) is accumulated in :data:`stats`, which is what the overlap
@@ -32,6 +32,7 @@ __all__ = [
     "blocked",
     "default_backend",
     "group_name",
+    "group_timeout",
     "init_distributed",
     "stats",
     "translated",
@@ -76,7 +77,25 @@ class CommStats:
 stats = CommStats()
 
 
-_configured_timeout = DEFAULT_TIMEOUT_S
+def group_timeout(pg: dist.ProcessGroup | None = None) -> float | None:
+    """The timeout (seconds) ``pg`` (default: the world group) really enforces, read from its
+    backend; None when it cannot be read. What error messages quote: the value asked of
+    :func:`init_distributed` is not applied to a group that already existed."""
+    try:
+        pg = pg if pg is not None else dist.group.WORLD
+        if pg is None:
+            return None
+        device = torch.device("cuda" if dist.get_backend(pg) == "nccl" else "cpu")
+        return pg._get_backend(device).options._timeout.total_seconds()
+    except Exception:  # another backend or torch version: say it is unknown
+        return None
+
+
+def _timeout_text() -> str:
+    seconds = group_timeout() if dist.is_initialized() else None
+    if seconds is None:
+        return "the process group's timeout"
+    return f"the process-group timeout ({seconds:g} s)"
 
 
 @contextlib.contextmanager
@@ -105,8 +124,7 @@ def translated(what: str) -> Iterator[None]:
         rank = dist.get_rank() if dist.is_initialized() else -1
         raise CommError(
             f"rank {rank}: {what} failed: {exc}. If a peer rank died, hung or never reached "
-            f"this step, this is raised after the process-group timeout "
-            f"({_configured_timeout:g} s); check the other ranks' logs."
+            f"this step, this is raised after {_timeout_text()}; check the other ranks' logs."
         ) from exc
 
 
@@ -127,12 +145,19 @@ def init_distributed(
 
     ``timeout`` bounds every collective and the rendezvous itself: a rank that never arrives
     or dies makes the others raise :class:`CommError` after about that long, instead of
-    hanging forever (torch's default is 10-30 minutes).
+    hanging forever (torch's default is 10-30 minutes). A group that already exists is
+    left as it is, timeout included (errors quote its own: :func:`group_timeout`).
     """
-    global _configured_timeout
     td = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
-    _configured_timeout = td.total_seconds()
     if dist.is_initialized():
+        actual = group_timeout()
+        if actual != td.total_seconds():
+            logger.warning(
+                "init_distributed: the process group already exists; its timeout (%s) is "
+                "kept, not the %g s asked for.",
+                "unknown" if actual is None else f"{actual:g} s",
+                td.total_seconds(),
+            )
         return
     backend = backend or default_backend()
     kwargs: dict = {"backend": backend, "timeout": td}

@@ -10,7 +10,11 @@ many ids and rows it will send: :func:`request_counts` (asynchronous ``all_to_al
 of a small counts tensor) and :func:`wait_counts`. :func:`send_ids` then starts the ids,
 lengths and weights (``async_op=True``, returning a :class:`IdsHandle` that holds the
 ``Work`` objects) and :func:`wait_ids` waits for them. The chain request -> wait -> request
--> wait gives the overlap pass one window per exchange. Ids carry no gradient.
+-> wait gives the overlap pass one window per exchange. Ids and lengths travel as int64
+whatever each rank's dtypes (ranks may differ). Weights travel only for a weighted collection
+(``IdsLayout.weighted``, the same on every rank, never read from one rank's input); when
+any rank's weights require grad (a flag in the counts), every rank sends them by the
+functional all-to-all, whose backward returns each weight's gradient to its source.
 
 A train pipeline may start batch i+1's id-count exchange before batch i's step ends
 (:func:`started_early`); the :func:`request_counts` of the forward that receives that very
@@ -79,6 +83,7 @@ class IdsLayout:
     keys_per_rank: tuple[int, ...]
     local_keys: tuple[str, ...]
     group_name: str
+    weighted: bool = False  # the collection pools with per-id weights: they travel
 
 
 @dataclass
@@ -101,6 +106,8 @@ class CountsHandle:
         if self.sent is not None:
             for w in self.sent.works:
                 w.wait()
+            if self.sent.weights_async:
+                torch.ops._c10d_functional.wait_tensor(self.sent.weights)
 
 
 @dataclass
@@ -114,6 +121,7 @@ class IdsSplits:
     batch_sizes: list[int]  # rows each source rank sends (its local batch)
     batch: int
     sent: IdsHandle | None = None  # ids already in flight (see :class:`CountsHandle`)
+    weights_grad: bool = False  # some rank's weights require grad: every rank tracks them
 
 
 @dataclass
@@ -127,6 +135,8 @@ class IdsHandle:
     weights: torch.Tensor | None
     batch_sizes: list[int]  # rows each source rank sends (its local batch)
     local_batch: int
+    weights_async: bool = False  # ``weights``: a functional all-to-all's, with autograd
+    keep: tuple[torch.Tensor, ...] = ()  # send buffers, alive until the exchange is waited
 
 
 def _pg(name: str) -> dist.ProcessGroup:
@@ -221,19 +231,47 @@ def request_counts(kjt: KeyedJaggedTensor, layout: IdsLayout, rows: Any = None) 
     early = _take_early(kjt, layout)
     if early is not None:
         return early
+    grad = _check_input(kjt, layout)
     if rows is not None:
         kjt = rows.route(kjt)
     pg = _pg(layout.group_name)
     kjt = _owner_major(kjt, layout)
     batch = kjt.stride()
     ids_to = _counts_to(kjt, layout)
-    send = torch.tensor([[c, batch] for c in ids_to], dtype=torch.int64).flatten()
+    send = torch.tensor([[c, batch, grad] for c in ids_to], dtype=torch.int64).flatten()
     recv = torch.empty_like(send)
     try:
         work = dist.all_to_all_single(recv, send, group=pg, async_op=True)
     except (RuntimeError, dist.DistError) as exc:
         raise CommError(f"rank {pg.rank()}: could not start the id-count exchange: {exc}") from exc
     return CountsHandle(layout, kjt, work, send, recv, ids_to, batch)
+
+
+def _check_input(kjt: KeyedJaggedTensor, layout: IdsLayout) -> int:
+    """Refuse, before any exchange, what the unsharded collection refuses (non-integer ids,
+    a weighted collection's input without weights); 1 if this rank's weights need a grad.
+
+    Ids go on the wire as int64: a float id would be silently truncated there.
+    """
+    values, weights = kjt.values(), kjt.weights_or_none()
+    if values.is_floating_point() or values.is_complex() or values.dtype == torch.bool:
+        raise ValueError(
+            f"ids of features {kjt.keys()[:5]} have dtype {values.dtype}; embedding ids are "
+            "row numbers: pass integer ids (.long()), and per-id floats as weights."
+        )
+    if not layout.weighted:
+        return 0  # an unweighted collection ignores weights, as the unsharded one does
+    if weights is None:
+        raise ValueError(
+            "this collection is weighted (is_weighted=True) but the input has no weights; "
+            "pass per-id weights (KeyedJaggedTensor(..., weights=...))."
+        )
+    if not weights.is_floating_point():
+        raise ValueError(
+            f"weights of features {kjt.keys()[:5]} have dtype {weights.dtype}; per-sample "
+            "weights must be floating point (.float())."
+        )
+    return int(torch.is_grad_enabled() and weights.requires_grad)
 
 
 ABSENT = -1  # the batch size a rank announces when its batch for this exchange failed
@@ -249,7 +287,7 @@ def request_absent(layout: IdsLayout, ended: bool = False) -> CountsHandle:
     """
     pg = _pg(layout.group_name)
     code = ENDED if ended else ABSENT
-    send = torch.tensor([[0, code]] * pg.size(), dtype=torch.int64).flatten()
+    send = torch.tensor([[0, code, 0]] * pg.size(), dtype=torch.int64).flatten()
     recv = torch.empty_like(send)
     try:
         work = dist.all_to_all_single(recv, send, group=pg, async_op=True)
@@ -268,15 +306,16 @@ def wait_counts(handle: CountsHandle) -> IdsSplits:
     """Wait for every rank's counts: the split sizes of the ids all-to-all."""
     with blocked("ids_counts", "exchange of id counts (input all-to-all)"):
         handle.work.wait()
-    recv = handle.recv.view(-1, 2).tolist()
+    recv = handle.recv.view(-1, 3).tolist()
     return IdsSplits(
         handle.layout,
         handle.kjt,
         handle.ids_to,
-        [c for c, _ in recv],
-        [b for _, b in recv],
+        [c for c, _, _ in recv],
+        [b for _, b, _ in recv],
         handle.batch,
         handle.sent,
+        any(g for _, _, g in recv),
     )
 
 
@@ -302,26 +341,57 @@ def send_ids(splits: IdsSplits) -> IdsHandle:
     len_to = [n * splits.batch for n in layout.keys_per_rank]
     len_from = [layout.keys_per_rank[me] * b for b in splits.batch_sizes]
 
-    values = kjt.values().new_empty(sum(ids_from))
-    lengths = kjt.lengths().new_empty(sum(len_from))
-    weights_in = kjt.weights_or_none()
-    weights = None if weights_in is None else weights_in.new_empty(sum(ids_from))
+    # One wire dtype: ranks may hold int32 ids and int64 lengths, or the other way round.
+    values_in = kjt.values().to(torch.int64)
+    lengths_in = kjt.lengths().to(torch.int64)
+    values = values_in.new_empty(sum(ids_from))
+    lengths = lengths_in.new_empty(sum(len_from))
+    weights_in = kjt.weights() if layout.weighted else None
+    weights = None
     try:
         works = [
-            dist.all_to_all_single(values, kjt.values(), ids_from, ids_to, group=pg, async_op=True),
-            dist.all_to_all_single(
-                lengths, kjt.lengths(), len_from, len_to, group=pg, async_op=True
-            ),
+            dist.all_to_all_single(values, values_in, ids_from, ids_to, group=pg, async_op=True),
+            dist.all_to_all_single(lengths, lengths_in, len_from, len_to, group=pg, async_op=True),
         ]
-        if weights is not None:
+        if weights_in is not None and not splits.weights_grad:
+            weights = weights_in.new_empty(sum(ids_from))
             works.append(
                 dist.all_to_all_single(
                     weights, weights_in.detach(), ids_from, ids_to, group=pg, async_op=True
                 )
             )
+        elif weights_in is not None:
+            weights = _send_weights(weights_in, ids_from, ids_to, layout.group_name)
     except (RuntimeError, dist.DistError) as exc:
         raise CommError(f"rank {me}: could not start the ids all-to-all: {exc}") from exc
-    return IdsHandle(layout, works, values, lengths, weights, splits.batch_sizes, splits.batch)
+    return IdsHandle(
+        layout,
+        works,
+        values,
+        lengths,
+        weights,
+        splits.batch_sizes,
+        splits.batch,
+        weights_async=splits.weights_grad and weights is not None,
+        keep=(values_in, lengths_in),
+    )
+
+
+def _send_weights(
+    weights: torch.Tensor, ids_from: list[int], ids_to: list[int], group: str
+) -> torch.Tensor:
+    """Weights by the differentiable all-to-all (wait with ``wait_tensor``): its backward
+    sends each weight's gradient back to the rank it came from.
+
+    Every rank must run that backward once any does (some rank's weights require grad),
+    so weights that need none here still join the graph, as a leaf of their own.
+    """
+    with torch.enable_grad():  # a pipeline may send the ids outside the forward
+        if not weights.requires_grad:
+            weights = weights.detach().requires_grad_()
+        return _exchange(
+            weights.contiguous(), ids_from, ids_to, group, "per-id weight gradient all-to-all"
+        )
 
 
 @torch.fx.wrap
@@ -341,22 +411,23 @@ def wait_ids(handle: IdsHandle) -> KeyedJaggedTensor:
     Rows are source-rank-major within each key (rank 0's batch, then rank 1's ...), which is
     the row order the pooled output is sent back in.
     """
+    weights = handle.weights
     with blocked("ids_wait", "ids all-to-all"):
         for w in handle.works:
             w.wait()
+        if handle.weights_async:
+            weights = torch.ops._c10d_functional.wait_tensor(weights)
     keys = list(handle.layout.local_keys)
     nk = len(keys)
     world = len(handle.batch_sizes)
     total = sum(handle.batch_sizes)
     if nk == 0:
-        return KeyedJaggedTensor(
-            [], handle.values, handle.weights, lengths=handle.lengths, stride=total
-        )
+        return KeyedJaggedTensor([], handle.values, weights, lengths=handle.lengths, stride=total)
     # Received blocks are (source rank, key); the lookup wants key-major over all rows.
     staged = KeyedJaggedTensor(
         [f"{r}/{k}" for r in range(world) for k in keys],
         handle.values,
-        handle.weights,
+        weights,
         lengths=handle.lengths,
         stride_per_key=[b for b in handle.batch_sizes for _ in range(nk)],
     )
@@ -383,29 +454,40 @@ def request_pooled(
     flat = pooled.contiguous().view(-1)
     if torch.is_grad_enabled() and not flat.requires_grad:
         # Every rank must run the reverse all-to-all in backward, including one that owns no
-        # table (or only frozen ones): otherwise the others wait for it forever.
-        flat = flat.detach().requires_grad_()
+        # table (or only frozen ones): otherwise the others wait for it forever. The same
+        # holds for the weights' exchange, which no lookup of such a rank reads: tied here.
+        if handle.weights_async and handle.weights is not None:
+            flat = _Tied.apply(flat, handle.weights)
+        else:
+            flat = flat.detach().requires_grad_()
     try:
-        return _exchange_pooled(flat, out_splits, in_splits, handle.layout.group_name)
+        return _exchange(
+            flat,
+            out_splits,
+            in_splits,
+            handle.layout.group_name,
+            "pooled-embedding gradient all-to-all",
+        )
     except (RuntimeError, dist.DistError) as exc:
         raise CommError(f"rank {me}: could not start the pooled all-to-all: {exc}") from exc
 
 
-def _exchange_pooled(
-    flat: torch.Tensor, out_splits: list[int], in_splits: list[int], group: str
+def _exchange(
+    flat: torch.Tensor, out_splits: list[int], in_splits: list[int], group: str, what: str
 ) -> torch.Tensor:
-    """The functional all-to-all; run eagerly, its backward raises :class:`CommError`.
+    """The functional all-to-all; run eagerly, its backward raises :class:`CommError`
+    naming ``what`` (the pooled embeddings' or the weights' gradient exchange).
 
     Under ``torch.compile`` the op itself is kept: the graph shows the collective (for the
     overlap rule) and the compiled backward is the op's own autograd formula.
     """
     if torch.compiler.is_compiling():
         return torch.ops._c10d_functional.all_to_all_single(flat, out_splits, in_splits, group)
-    return _PooledAllToAll.apply(flat, out_splits, in_splits, group)
+    return _AllToAll.apply(flat, out_splits, in_splits, group, what)
 
 
-class _PooledAllToAll(torch.autograd.Function):
-    """The pooled all-to-all whose backward (the reverse all-to-all) raises CommError.
+class _AllToAll(torch.autograd.Function):
+    """A functional all-to-all whose backward (the reverse all-to-all) raises CommError.
 
     The op's registered backward waits outside fxrec: a peer that stalls in backward would
     surface as the backend's bare RuntimeError, with no operation or timeout named.
@@ -413,19 +495,39 @@ class _PooledAllToAll(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, flat: torch.Tensor, out_splits: list[int], in_splits: list[int], group: str
+        ctx: Any,
+        flat: torch.Tensor,
+        out_splits: list[int],
+        in_splits: list[int],
+        group: str,
+        what: str,
     ) -> torch.Tensor:
-        ctx.splits = (out_splits, in_splits, group)
+        ctx.splits = (out_splits, in_splits, group, what)
         return torch.ops._c10d_functional.all_to_all_single(flat, out_splits, in_splits, group)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        out_splits, in_splits, group = ctx.splits
-        with translated("pooled-embedding gradient all-to-all (backward)"):
+        out_splits, in_splits, group, what = ctx.splits
+        with translated(f"{what} (backward)"):
             sent = torch.ops._c10d_functional.all_to_all_single(
                 grad.contiguous(), in_splits, out_splits, group
             )
-            return torch.ops._c10d_functional.wait_tensor(sent), None, None, None
+            return torch.ops._c10d_functional.wait_tensor(sent), None, None, None, None
+
+
+class _Tied(torch.autograd.Function):
+    """``flat`` unchanged, with a zero gradient for ``other``: makes backward reach
+    ``other``'s exchange on a rank whose output does not depend on it."""
+
+    @staticmethod
+    def forward(ctx: Any, flat: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        ctx.like = (other.shape, other.dtype, other.device)
+        return flat.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        shape, dtype, device = ctx.like
+        return grad, torch.zeros(shape, dtype=dtype, device=device)
 
 
 @torch.fx.wrap

@@ -68,6 +68,9 @@ def _as_fxrec_collection(ebc: nn.Module) -> nn.Module:
     out = EmbeddingBagCollection(
         tables=list(_configs(ebc)), is_weighted=bool(ebc.is_weighted()), device=device
     )
+    like = _float_tensor(ebc)
+    if like is not None:  # keep its dtype (built in float32)
+        out = out.to(dtype=like.dtype)
     out.load_state_dict(ebc.state_dict())
     return out
 
@@ -108,8 +111,7 @@ def _local_collection(
             )
         )
     kwargs: dict[str, Any] = {}
-    is_weighted = getattr(ebc, "is_weighted", None)
-    if callable(is_weighted) and is_weighted():
+    if _is_weighted(ebc):
         kwargs["is_weighted"] = True
     for option in ("device", "sparse", "backend"):  # fxrec's collection: keep its choices
         if isinstance(getattr(type(ebc), option, None), property):
@@ -119,6 +121,9 @@ def _local_collection(
     except TypeError:
         local = type(ebc)(configs, **kwargs)
     full = ebc.state_dict()
+    like = _float_tensor(ebc)
+    if like is not None:  # built in float32: take ``ebc``'s dtype before its values
+        local = local.to(dtype=like.dtype)
     state = {}
     for key in local.state_dict():
         src = _source_key(key, row_blocks)
@@ -127,6 +132,17 @@ def _local_collection(
         state[key] = _rows_of(full[src], key, row_blocks)
     local.load_state_dict(state)
     return local.to(next(iter(full.values())).device) if full else local
+
+
+def _is_weighted(ebc: nn.Module) -> bool:
+    is_weighted = getattr(ebc, "is_weighted", None)
+    return bool(callable(is_weighted) and is_weighted())
+
+
+def _float_tensor(ebc: nn.Module) -> torch.Tensor | None:
+    """``ebc``'s first floating-point parameter or buffer (its tables' dtype and device)."""
+    tensors = [*ebc.parameters(), *ebc.buffers()]
+    return next((t for t in tensors if t.is_floating_point()), None)
 
 
 def _shard_of(key: str, row_blocks: dict[str, tuple[str, int, int, int]]) -> str | None:
@@ -238,11 +254,20 @@ class ShardedEmbeddingBagCollection(nn.Module):
             tuple(len(lk) for lk in local_keys),
             tuple(local_keys[rank]),
             self._group_name,
+            _is_weighted(ebc),  # not each rank's input: every rank must agree
         )
         self._row_blocks = {k: v for k, v in row_blocks.items() if v[1] == rank}
         self._whole_rows = {t.name: t.num_embeddings for t in specs if t.name in plan.row_wise}
         mine = [t.name for t in wire_plan.tables_of(rank, wire_specs)]
         self.embedding_bags_local = _local_collection(ebc, mine, self._row_blocks) if mine else None
+        # The dtype of the pooled rows a rank without tables sends (it must match its peers'):
+        # a buffer, so that ``.to(dtype)`` converts it with the tables on every rank.
+        like = _float_tensor(ebc)
+        self.register_buffer(
+            "_pooled_like",
+            torch.empty(0, dtype=like.dtype if like is not None else torch.float32),
+            persistent=False,
+        )
         self.register_state_dict_post_hook(ShardedEmbeddingBagCollection._rename_saved)
         self.register_load_state_dict_pre_hook(ShardedEmbeddingBagCollection._route_loaded)
         self.register_load_state_dict_post_hook(ShardedEmbeddingBagCollection._drop_reported)
@@ -368,7 +393,9 @@ class ShardedEmbeddingBagCollection(nn.Module):
 
     def finish(self, local: Any, handle: dist_ops.IdsHandle, kjt: Any) -> KeyedTensor:
         """Lookup of the received ids, pooled all-to-all back, this rank's ``KeyedTensor``."""
-        pooled = _lookup(self.embedding_bags_local, local, self._dims_per_rank[self.rank])
+        pooled = _lookup(
+            self.embedding_bags_local, local, self._dims_per_rank[self.rank], self._pooled_like
+        )
         sent = dist_ops.request_pooled(pooled, handle, self._dims_per_rank)
         received = dist_ops.wait_pooled(sent)
         kt = dist_ops.assemble_pooled(
@@ -456,15 +483,17 @@ def kept_kjt(features: Any) -> KeyedJaggedTensor:
     return as_kjt(features)
 
 
-def _lookup(local: nn.Module | None, kjt: Any, width: int) -> Any:
+def _lookup(local: nn.Module | None, kjt: Any, width: int, like: torch.Tensor) -> Any:
     if local is None:
-        return _empty_pooled(kjt, width)
+        return _empty_pooled(kjt, width, like)
     return local(kjt).values()
 
 
 @torch.fx.wrap
-def _empty_pooled(kjt: KeyedJaggedTensor, width: int) -> torch.Tensor:
-    return kjt.values().new_zeros(kjt.stride(), width, dtype=torch.float32)
+def _empty_pooled(kjt: KeyedJaggedTensor, width: int, like: torch.Tensor) -> torch.Tensor:
+    """A table-less rank's (empty) pooled rows, in the collection's dtype (``like``'s): the
+    all-to-all needs the same dtype on every rank."""
+    return kjt.values().new_zeros(kjt.stride(), width, dtype=like.dtype)
 
 
 def shard(
