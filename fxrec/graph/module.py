@@ -401,6 +401,7 @@ class OptimizedModule(nn.Module):
 
     # -- state: the user's model owns it -------------------------------------------------------
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
+        self.fxrec_fused.sync_data()  # flat data replaced since the last call: members follow
         return self.model.state_dict(*args, **kwargs)
 
     def load_state_dict(
@@ -941,8 +942,11 @@ def _kernels(model: nn.Module, opt: OptimizedModule, args: tuple) -> tuple[Any, 
     """
     from torch.utils._pytree import tree_leaves
 
+    from fxrec.graph.params import has_grad_hooks
     from fxrec.measure import count_kernels
 
+    if any(has_grad_hooks(p) for p in model.parameters()):
+        return None, None  # a counting step would run the user's gradient hooks
     tensors = [*opt.parameters(), *model.parameters()]
     tensors += [t for t in tree_leaves(args) if isinstance(t, torch.Tensor) and t.requires_grad]
     saved = [(t, t.grad) for t in tensors]

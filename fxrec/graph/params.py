@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +52,26 @@ def _member_slice(flat: torch.Tensor, how: str, m: _Member) -> torch.Tensor:
     return flat.narrow(0, m.offset, m.tensor.shape[0])
 
 
+@dataclass
+class _Viewed:
+    """A flat tensor's data when its members were last pointed at it: another address on
+    the same tensor object means its data was replaced (``flat.data = t``,
+    ``vector_to_parameters``) and the members still view the old data."""
+
+    flat: torch.Tensor  # the flat tensor object (another object: swapped, e.g. by export)
+    ptr: int
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+
+
+def has_grad_hooks(t: torch.Tensor) -> bool:
+    """Does ``t`` carry hooks on its own gradient (``register_hook``,
+    ``register_post_accumulate_grad_hook``)? Such hooks run only while ``t`` is the leaf
+    autograd reaches, which a laid-out member no longer is."""
+    return bool(t._backward_hooks) or bool(t._post_accumulate_grad_hooks)
+
+
 class FusedParameters(nn.Module):
     """Owns the flat parameters and buffers of fused layers and keeps members as views."""
 
@@ -60,12 +81,16 @@ class FusedParameters(nn.Module):
         self._by_ids: dict[tuple[str, tuple[int, ...]], str] = {}
         self._index: dict[int, tuple[str, str, _Member]] | None = None  # see locate()
         self._synced: dict[str, bool] = {}  # each flat parameter's flag at the last sync
+        self._viewed: dict[str, _Viewed] = {}  # each flat's data as its members view it
+        self._hooks_seen = -1  # RemovableHandle.next_id when members last had no grad hooks
         self.frozen = False
 
     def __setstate__(self, state: dict) -> None:
         """Unpickled: the index by tensor ids is rebuilt (ids are per process)."""
         super().__setstate__(state)
         self._index = None
+        self.__dict__.setdefault("_viewed", {})  # pickled before it existed: no check until relink
+        self._hooks_seen = -1  # hook handle ids are per process
         self._by_ids = {
             (how, tuple(id(m.tensor) for m in members)): name
             for name, (how, members) in self._members.items()
@@ -88,12 +113,14 @@ class FusedParameters(nn.Module):
         which reaches the flat parameters, not the members) goes to its members; otherwise
         the members' flags (``opt.model.tower.requires_grad_(False)``) go to it. Freezing
         only some members cannot be expressed by one tensor, so it raises with what to do.
+        Runs on every call, so it also keeps members viewing their flat tensor's data (see
+        :meth:`sync_data`) and refuses gradient hooks on members (see ``_refuse_grad_hooks``).
         """
+        if RemovableHandle.next_id != self._hooks_seen:  # some hook was registered since
+            self._refuse_grad_hooks()
         for name, (how, members) in self._members.items():
             flat = getattr(self, name)
-            stray = [m for m in members if m.tensor.data_ptr() != m.ptr]
-            if stray:
-                self._take_back(name, how, flat, stray)
+            self._sync_data(name, how, flat, members)
             if not isinstance(flat, nn.Parameter):
                 continue
             wanted = flat.requires_grad
@@ -112,6 +139,74 @@ class FusedParameters(nn.Module):
                 flat.requires_grad_(flags.pop())
             if self._synced.get(name) is not flat.requires_grad:
                 self._synced[name] = flat.requires_grad
+
+    def sync_data(self) -> None:
+        """Members view their flat tensors' current data again, wherever either was given new
+        data since (see :meth:`sync_requires_grad`); for readers of the members that run
+        without a forward (``state_dict``)."""
+        for name, (how, members) in self._members.items():
+            self._sync_data(name, how, getattr(self, name), members)
+
+    def _refuse_grad_hooks(self) -> None:
+        """A gradient hook registered on a member after it was laid out would never run (its
+        gradient goes to the flat parameter): raise. Run only when a hook handle was made
+        since the last clean check, so the per-call cost is one integer compared."""
+        seen = RemovableHandle.next_id
+        for name, (_, members) in self._members.items():
+            for m in members:
+                t = m.tensor
+                if t.requires_grad and has_grad_hooks(t):
+                    raise RuntimeError(
+                        "fxrec: a gradient hook (register_hook / "
+                        "register_post_accumulate_grad_hook) was registered on a parameter of "
+                        f"shape {tuple(t.shape)} after fxrec.optimize laid it out in the flat "
+                        f"parameter fxrec_fused.{name}; its gradient goes to that flat "
+                        "parameter, so the hook would never run. Register the hook before "
+                        "fxrec.optimize (such a parameter is not laid out), or optimize with "
+                        "keep_params=True."
+                    )
+        self._hooks_seen = seen
+
+    def _sync_data(self, name: str, how: str, flat: torch.Tensor, members: list[_Member]) -> None:
+        """Per call, so cheap: one address per member and per flat tensor.
+
+        A flat tensor given new data (``vector_to_parameters(v, opt.parameters())``) is what
+        the graphs read and the optimizer steps: its members view it again (else
+        ``state_dict()`` would show the old values). A member given new data
+        (``member.data = t``) has its values taken back into the flat tensor.
+        """
+        stray = [m for m in members if m.tensor.data_ptr() != m.ptr]
+        seen = self._viewed.get(name)
+        if seen is not None and seen.flat is flat and flat.data_ptr() != seen.ptr:
+            taken = {id(m) for m in stray}
+            self._follow_new_data(name, how, flat, [m for m in members if id(m) not in taken])
+        if stray:
+            self._take_back(name, how, flat, stray)
+
+    def _follow_new_data(
+        self, name: str, how: str, flat: torch.Tensor, members: list[_Member]
+    ) -> None:
+        """``flat`` was given new data: ``members`` view it (same shape, dtype, device only)."""
+        seen = self._viewed[name]
+        got = (flat.shape, flat.dtype, flat.device)
+        if got != (seen.shape, seen.dtype, seen.device):
+            raise RuntimeError(
+                f"fxrec: fxrec_fused.{name} was given data of another shape, dtype or device "
+                f"({tuple(flat.shape)}, {flat.dtype}, {flat.device}; its members need "
+                f"{tuple(seen.shape)}, {seen.dtype}, {seen.device}), which the model's "
+                "parameters laid out in it cannot view. Give it data of the same shape, dtype "
+                "and device (or copy values in place: `with torch.no_grad(): p.copy_(t)`), "
+                "convert the optimized module as a whole (opt.to(...), opt.double()), or put "
+                "its old data back and optimize again."
+            )
+        for m in members:
+            m.tensor.data = _member_slice(flat.data, how, m)
+            m.ptr = m.tensor.data_ptr()
+        self._record(name, flat)
+
+    def _record(self, name: str, flat: torch.Tensor) -> None:
+        """Remember ``flat``'s data as its members now view it (see :class:`_Viewed`)."""
+        self._viewed[name] = _Viewed(flat, flat.data_ptr(), flat.shape, flat.dtype, flat.device)
 
     def _take_back(self, name: str, how: str, flat: torch.Tensor, stray: list[_Member]) -> None:
         """Members given new data since they were laid out (``member.data = t``): the values
@@ -133,14 +228,27 @@ class FusedParameters(nn.Module):
             m.ptr = t.data_ptr()
 
     def copy_layouts(self, memo: dict[int, object]) -> FusedParameters:
-        """The same layouts over deep copies of the members (``memo``: ``copy.deepcopy``'s)."""
+        """The same layouts over deep copies of the members (``memo``: ``copy.deepcopy``'s).
+
+        Each flat tensor's copy goes into ``memo``, and a copy already there (an optimizer
+        copied first: ``copy.deepcopy((optimizer, opt))``) becomes the copy's flat tensor,
+        so a module and optimizer copied together stay linked, as a plain model's do.
+        """
         out = FusedParameters()
         for name, (how, members) in self._members.items():
             copies = [memo.get(id(m.tensor)) for m in members]
             if any(not isinstance(t, torch.Tensor) for t in copies):
                 raise RuntimeError(f"fxrec: the members of fxrec_fused.{name} were not copied.")
-            out.add(how, copies)  # type: ignore[arg-type]
-            getattr(out, name).requires_grad_(getattr(self, name).requires_grad)
+            flat = getattr(self, name)
+            copied = memo.get(id(flat))
+            if not isinstance(copied, torch.Tensor):
+                out.add(how, copies)  # type: ignore[arg-type]
+                getattr(out, name).requires_grad_(flat.requires_grad)
+                memo[id(flat)] = getattr(out, name)
+            elif (copied.shape, copied.dtype) == (flat.shape, flat.dtype):
+                out._install(name, how, copied, copies)  # type: ignore[arg-type]
+            else:
+                raise RuntimeError(f"fxrec: the copy of fxrec_fused.{name} has another shape.")
         out._synced = dict(self._synced)
         out.frozen = self.frozen
         return out
@@ -210,13 +318,20 @@ class FusedParameters(nn.Module):
         name = f"{how}{len(self._members)}"
         with torch.no_grad():
             data = torch.stack(list(tensors)) if how == "stack" else torch.cat(list(tensors))
-        is_param = all(isinstance(t, nn.Parameter) for t in tensors)
-        if is_param:
-            self.register_parameter(
-                name, nn.Parameter(data, requires_grad=tensors[0].requires_grad)
-            )
+        if all(isinstance(t, nn.Parameter) for t in tensors):
+            data = nn.Parameter(data, requires_grad=tensors[0].requires_grad)
+        self._install(name, how, data, tensors)
+        return name
+
+    def _install(
+        self, name: str, how: str, flat: torch.Tensor, tensors: Sequence[torch.Tensor]
+    ) -> None:
+        """Register ``flat`` (holding ``tensors``' values laid out ``how``) as ``name``, and
+        point ``tensors`` at their slices of it."""
+        if isinstance(flat, nn.Parameter):
+            self.register_parameter(name, flat)
         else:
-            self.register_buffer(name, data)
+            self.register_buffer(name, flat)
         members, offset = [], 0
         for i, t in enumerate(tensors):
             members.append(_Member(t, i, offset))
@@ -225,7 +340,6 @@ class FusedParameters(nn.Module):
         self._by_ids[(how, tuple(id(t) for t in tensors))] = name
         self._index = None
         self.relink(name)
-        return name
 
     def relink(self, name: str | None = None) -> None:
         """Point every member's storage at its slice of the flat tensor again."""
@@ -236,6 +350,7 @@ class FusedParameters(nn.Module):
             for m in members:
                 m.tensor.data = _member_slice(flat.data, how, m)
                 m.ptr = m.tensor.data_ptr()
+            self._record(n, flat)
 
     def check_conversion(self, fn: object) -> None:
         """Refuse a conversion (``module._apply``'s ``fn``) that would give members new tensor
@@ -288,6 +403,8 @@ class ParamStore:
             return False
         if len({id(t) for t in ts}) != len(ts):
             return False  # a parameter shared between members: refuse the layout
+        if any(has_grad_hooks(t) for t in ts):  # type: ignore[arg-type]
+            return False  # its hooks run only while it is the leaf gradients reach
         grads = {t.requires_grad for t in ts}
         kinds = {isinstance(t, nn.Parameter) for t in ts}
         if self.owner.frozen:
