@@ -26,13 +26,17 @@ from typing import Any
 import torch.fx as fx
 
 from fxrec.graph.effects import (
+    _is_view,
     has_hooks,
+    has_mode_switches,
     has_side_effects,
     is_random,
     mode_regions,
     mutates_input,
+    records_grad,
     written_target,
 )
+from fxrec.graph.pieces import piece_of
 from fxrec.graph.rule import HorizontalRule, LocalRule, RewriteContext, Rule
 from fxrec.graph.search import Reachability, _is_ordered, independent_sets, stable_toposort
 
@@ -140,6 +144,7 @@ def _run_horizontal(
                     continue
                 reason = (
                     _effect_between(part, reach, ctx)
+                    or _piece_cut_from_grad(part)
                     or rule.cost_reason(part, ctx)
                     or rule.refuse_reason(part, ctx)
                 )
@@ -164,7 +169,8 @@ def _effect_between(
     they make). An in-place write between them, whatever it depends on, may write what a
     later member reads (``t.add_(a)`` before ``tanh(t)``): the fused node would read it
     before the write, or a write that reads an earlier member would move after the reads of
-    its target that follow it.
+    its target that follow it. Only a write to module state that nothing else between the
+    members reads (BatchNorm's ``num_batches_tracked.add_(1)``) may stay between them.
     """
     effects = reach.effect_positions(ctx.cached(_reorders_badly))
     if not effects:
@@ -173,23 +179,57 @@ def _effect_between(
     lo, hi = min(idx), max(idx)
     members = reach.mask(part)
     for pos in effects[bisect.bisect_right(effects, lo) : bisect.bisect_left(effects, hi)]:
-        if mutates_input(reach.nodes[pos]):
-            return "a tensor written in place between the members"
-        if not reach.ancestors[pos] & members:
+        node = reach.nodes[pos]
+        if mutates_input(node):
+            if reach.ancestors[pos] & members or _state_read_between(node, lo, hi, reach):
+                return "a tensor written in place between the members"
+        elif not reach.ancestors[pos] & members:
             return "a random draw lies between the members"
     return None
 
 
-def _reorders_badly(node: fx.Node) -> bool:
-    """A random draw, or an in-place write to a computed tensor. Writes to module state
-    (BatchNorm's ``num_batches_tracked.add_(1)`` under dynamo) are read by their own module
-    only: moving other reads past them changes nothing."""
-    if is_random(node):
+def _state_read_between(write: fx.Node, lo: int, hi: int, reach: Reachability) -> bool:
+    """Unless ``write`` writes module state (a ``get_attr``): True. Else, does any node from
+    the first member to the last (members too) but the write read that state, directly or
+    through a view of it? Such a read may move past the write or read it too late."""
+    target = written_target(write)
+    if not (isinstance(target, fx.Node) and target.op == "get_attr"):
         return True
-    if not mutates_input(node):
-        return False
-    target = written_target(node)
-    return not (isinstance(target, fx.Node) and target.op == "get_attr")
+    work = [n for n in write.graph.find_nodes(op="get_attr") if n.target == target.target]
+    seen = set(work)
+    while work:
+        for u in work.pop().users:
+            if u is write or u in seen:
+                continue
+            seen.add(u)
+            if _is_view(u):
+                work.append(u)
+                continue
+            i = reach.index.get(u)
+            if i is None or lo <= i <= hi:
+                return True
+    return False
+
+
+def _piece_cut_from_grad(part: Sequence[fx.Node]) -> str | None:
+    """Why the members may not read their inputs' base: a member recorded by autograd reads a
+    piece split off under ``no_grad``. Rules read consecutive pieces as (a view of) the split's
+    input, which would pass the gradient the model cut there."""
+    if not has_mode_switches(part[0].graph):
+        return None
+    for n in part:
+        if not records_grad(n):
+            continue
+        for x in n.all_input_nodes:
+            p = piece_of(x)
+            if p is not None and not records_grad(p.source):
+                return "a member reads a piece split off under no_grad"
+    return None
+
+
+def _reorders_badly(node: fx.Node) -> bool:
+    """A random draw or an in-place write (see :func:`_effect_between`)."""
+    return is_random(node) or mutates_input(node)
 
 
 def _buckets(
@@ -200,7 +240,9 @@ def _buckets(
     Buckets too small to hold a set are dropped here, before any dependency work.
     """
     key, index = rule.key, reach.index
-    regions = mode_regions(ctx.graph)  # no fusion across grad-mode or autocast regions
+    # No fusion across a grad-mode or autocast switch, even between stretches of one mode:
+    # readers of earlier members move after the fused node, never across a switch.
+    regions = mode_regions(ctx.graph, stretches=True)
     out: dict[Hashable, list[fx.Node]] = {}
     for n in _candidates(rule, ctx.graph):
         if n in index:

@@ -17,12 +17,15 @@ from torch import nn
 
 __all__ = [
     "comm_kind",
+    "has_mode_switches",
     "has_hooks",
+    "records_grad",
     "has_side_effects",
     "mutates_input",
     "needs_contiguous",
     "is_random",
     "member_refusal",
+    "mode_regions",
     "written_in_place",
     "written_target",
 ]
@@ -51,6 +54,15 @@ _RANDOM_FUNCTIONS = {
     F.rrelu,
     F.gumbel_softmax,
 }
+# ``t += x`` in a dynamo graph: these write their tensor argument in place.
+_INPLACE_OPERATORS = frozenset(
+    {
+        operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+        operator.imod, operator.ipow, operator.imatmul, operator.iand, operator.ior,
+        operator.ixor, operator.ilshift, operator.irshift,
+    }
+)  # fmt: skip
+_NUMBERS = (int, float, torch.SymInt, torch.SymFloat)
 _RANDOM_METHODS = {"bernoulli", "multinomial", "random_", "uniform_", "normal_", "exponential_"}
 
 
@@ -79,13 +91,18 @@ def has_hooks(module: nn.Module) -> bool:
 
 def mutates_input(node: fx.Node) -> bool:
     """True for in-place ops: ``x.relu_()``, ``F.relu(x, inplace=True)``,
-    ``nn.ReLU(inplace=True)``, item assignment (``x[:, :2] = 0``), and ops writing into
-    ``out=`` (``torch.cumsum(x, 0, out=y)``, whose result is often unused: only the write
-    keeps it alive)."""
+    ``nn.ReLU(inplace=True)``, item assignment (``x[:, :2] = 0``), augmented assignment in
+    dynamo graphs (``t += x`` is ``operator.iadd``), and ops writing into ``out=``
+    (``torch.cumsum(x, 0, out=y)``, whose result is often unused: only the write keeps it
+    alive)."""
     if node.kwargs.get("inplace") is True or node.kwargs.get("out") is not None:
         return True
     if node.op == "call_function" and node.target is operator.setitem:
         return True
+    if node.op == "call_function" and node.target in _INPLACE_OPERATORS:
+        first = node.args[0] if node.args else None
+        value = first.meta.get("example_value", first.meta.get("val")) if first else None
+        return isinstance(first, fx.Node) and not isinstance(value, _NUMBERS)  # sizes: no
     if node.op == "call_method" and isinstance(node.target, str):
         if node.target == "__setitem__":
             return True
@@ -179,44 +196,110 @@ def _is_view(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target in _VIEW_FUNCTIONS
 
 
+_SWITCHES = frozenset(
+    f
+    for f in (
+        torch._C._set_grad_enabled,
+        getattr(torch.amp.autocast_mode, "_enter_autocast", None),
+        getattr(torch.amp.autocast_mode, "_exit_autocast", None),
+        getattr(torch.autograd.grad_mode, "_enter_inference_mode", None),
+        getattr(torch.autograd.grad_mode, "_exit_inference_mode", None),
+    )
+    if f is not None
+)
+
+
 def _mode_switch(node: fx.Node) -> tuple[str, Any] | None:
     """A node of a dynamo graph that switches grad mode, inference mode or autocast."""
-    if node.op != "call_function":
+    if node.op != "call_function" or node.target not in _SWITCHES:
         return None
     name = getattr(node.target, "__name__", "")
     if node.target is torch._C._set_grad_enabled:
         return ("grad", node.args[0] if node.args else None)
-    if name in ("_enter_autocast", "_enter_inference_mode"):
+    if name.startswith("_enter"):
         return ("enter", (name, *map(str, node.args)))
-    if name in ("_exit_autocast", "_exit_inference_mode"):
-        return ("exit", None)
-    return None
+    return ("exit", None)
 
 
-def mode_regions(graph: fx.Graph) -> dict[fx.Node, Hashable] | None:
+def _switch_nodes(graph: fx.Graph) -> list[fx.Node]:
+    """The mode switches of ``graph``, in order (read from FX's node index: cheap)."""
+    found = [n for f in _SWITCHES for n in graph.find_nodes(op="call_function", target=f)]
+    return sorted(found) if len(found) > 1 else found
+
+
+def has_mode_switches(graph: fx.Graph) -> bool:
+    """Does ``graph`` switch grad mode, inference mode or autocast (a dynamo graph of a
+    forward with ``torch.no_grad()``...)?"""
+    return bool(_switch_nodes(graph))
+
+
+_Mode = tuple[Any, tuple[Any, ...]]  # grad mode (None: unknown), autocast/inference entered
+
+
+def _called_in(switches: Sequence[fx.Node]) -> _Mode:
+    """The mode ``graph`` is called in. Dynamo emits only switches that change the grad mode
+    (none for a ``no_grad`` block run under ``no_grad``), so the first one tells; None where
+    the graph never switches it (one grad mode for all its nodes)."""
+    for n in switches:
+        if n.target is torch._C._set_grad_enabled and n.args and isinstance(n.args[0], bool):
+            return (not n.args[0], ())
+    return (None, ())
+
+
+def _after(mode: _Mode, switch: fx.Node) -> _Mode:
+    """The mode after ``switch``."""
+    grad, stack = mode
+    kind, arg = _mode_switch(switch)  # type: ignore[misc]
+    if kind == "grad":
+        return (arg, stack)
+    if kind == "enter":
+        return (grad, (*stack, arg))
+    return (grad, stack[:-1])
+
+
+def mode_regions(graph: fx.Graph, *, stretches: bool = False) -> dict[fx.Node, Hashable] | None:
     """The grad mode and autocast state each node of ``graph`` runs in (None: one for all).
 
     Dynamo graphs keep ``with torch.no_grad():`` and autocast regions as mode-switching
     nodes; computations in two regions differ (one records no gradient, one runs in another
     dtype) even when their nodes look alike, so rules must not fuse or merge across them.
+
+    With ``stretches``, each stretch between two switches is a region of its own, even where
+    the modes match: a fused node goes where its last member is and takes the readers of
+    the other members after it, which must not carry them across a switch.
     """
-    if not any(_mode_switch(n) for n in graph.nodes):
+    switches = _switch_nodes(graph)
+    if not switches:
         return None
-    grad: Any = True
-    stack: list[Any] = []
+    mode = _called_in(switches)
+    stretch = 0
     out: dict[fx.Node, Hashable] = {}
     for n in graph.nodes:
-        switch = _mode_switch(n)
-        if switch is not None:
-            kind, arg = switch
-            if kind == "grad":
-                grad = arg
-            elif kind == "enter":
-                stack.append(arg)
-            elif stack:
-                stack.pop()
-        out[n] = (grad, tuple(stack))
+        if _mode_switch(n) is not None:
+            mode = _after(mode, n)
+            stretch += 1
+        out[n] = stretch if stretches else mode
     return out
+
+
+def records_grad(node: fx.Node) -> bool:
+    """Does autograd record ``node``'s op (grad mode on, no inference mode)?
+
+    A view taken under ``no_grad`` passes no gradient to its base: rules that take a chain
+    of views and cats as its source itself (``cat(x.split(4, 1), 1) -> x``), or as a view of
+    it made elsewhere, need every op they bypass to be recorded. True in graphs that never
+    switch grad mode (one mode for all).
+    """
+    switches = _switch_nodes(node.graph)
+    if not switches:
+        return True
+    mode = _called_in(switches)
+    for s in switches:
+        if not s < node:
+            break
+        mode = _after(mode, s)
+    grad, stack = mode
+    return grad is not False and not any(e[:2] == ("_enter_inference_mode", "True") for e in stack)
 
 
 def member_refusal(group: Sequence[fx.Node]) -> str | None:
@@ -229,13 +312,26 @@ def member_refusal(group: Sequence[fx.Node]) -> str | None:
 
 
 def needs_contiguous(node: fx.Node) -> bool:
-    """Is ``node``'s result ``.view()``-ed? Eager ops return contiguous tensors; a fused
-    member is a strided slice of the fused result, which ``view`` cannot take."""
-    return any(
-        (u.op == "call_method" and u.target == "view")
-        or (u.op == "call_function" and u.target is torch.Tensor.view)
-        for u in node.users
-    )
+    """Is ``node``'s result ``.view()``-ed (or ``view_as``-ed), directly or through other views
+    of it (``h.unsqueeze(0).view(-1)``, ``h.detach().view(-1)``)? Eager ops return contiguous
+    tensors; a fused member is a strided slice of the fused result, which ``view`` cannot take,
+    and views of a strided slice are strided too. ``contiguous()`` ends the search."""
+    seen: set[fx.Node] = set()
+    work = [(u, node) for u in node.users]
+    while work:
+        u, via = work.pop()
+        viewed = u.args[0] if u.args else u.kwargs.get("input", u.kwargs.get("self"))
+        if viewed is not via:  # ``u`` does not view ``via`` (``x.view_as(via)``)
+            continue
+        if (u.op == "call_method" and u.target in ("view", "view_as")) or (
+            u.op == "call_function" and u.target in (torch.Tensor.view, torch.Tensor.view_as)
+        ):
+            return True
+        if u in seen or not _is_view(u) or u.target in ("contiguous", torch.Tensor.contiguous):
+            continue
+        seen.add(u)
+        work.extend((v, u) for v in u.users)
+    return False
 
 
 _FUNCTIONAL_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd")

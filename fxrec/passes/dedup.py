@@ -71,7 +71,7 @@ def _freeze(v: Any) -> Any:
         return ("node", v)
     if t is float:
         return (float, v.hex())  # 0.0 and -0.0 differ (x / -0.0)
-    if t in _EXACT_ATOMS:
+    if t in _EXACT_ATOMS and t is not complex:
         return (t, v)
     if t in _EXACT_SEQUENCES:
         return (t.__name__, tuple([_freeze(x) for x in v]))
@@ -85,6 +85,9 @@ def _freeze(v: Any) -> Any:
         return ("slice", _freeze(v.start), _freeze(v.stop), _freeze(v.step))
     if v is None or v is Ellipsis:
         return v
+    if isinstance(v, (float, complex)):  # a subclass (numpy.float64), a complex: by bits too
+        c = complex(v)
+        return (type(v), c.real.hex(), c.imag.hex())
     if isinstance(v, _ATOMS):
         return (type(v), v)
     if isinstance(v, torch.memory_format):

@@ -38,7 +38,7 @@ import torch
 import torch.fx as fx
 
 from fxrec.graph import meta
-from fxrec.graph.effects import _is_view, mutates_input, written_in_place
+from fxrec.graph.effects import _is_view, mutates_input, records_grad, written_in_place
 from fxrec.graph.pieces import SPLIT_LIKE, Piece, piece_of, split_sizes
 from fxrec.graph.rule import LocalRule, RewriteContext, register
 
@@ -172,14 +172,30 @@ def _aliasing_changes(result: fx.Node, base: Any) -> bool:
         return True
     if not isinstance(base, fx.Node):
         return False
-    while True:  # ``base`` and the tensors it is a view of (``t[:, :8]``: ``t`` too)
-        if written_in_place(base):
-            return True
-        if not (_is_view(base) and base.args and isinstance(base.args[0], fx.Node)):
-            break
+    if _written_through(base):
+        return True
+    while _is_view(base) and base.args and isinstance(base.args[0], fx.Node):
         base = base.args[0]
     returned = any(u.op == "output" for u in result.users)
     return returned and base.op in ("placeholder", "get_attr")
+
+
+def _written_through(node: fx.Node) -> bool:
+    """Is ``node``, or a tensor it is a view of (``t[:, :8]``: ``t`` too), written in place
+    (directly or through any view)?"""
+    while True:
+        if written_in_place(node):
+            return True
+        if not (_is_view(node) and node.args and isinstance(node.args[0], fx.Node)):
+            return False
+        node = node.args[0]
+
+
+def _recorded(node: fx.Node, pieces: list[Any]) -> bool:
+    """Did autograd record ``node`` and the splits of its ``pieces``? Taken as their base (or
+    a view of it made at ``node``), a chain with a step under ``no_grad`` would pass the
+    gradient it cuts (views taken under ``no_grad`` still say ``requires_grad``)."""
+    return records_grad(node) and all(records_grad(p.source) for p in pieces)
 
 
 @register
@@ -202,6 +218,7 @@ class SlicesToSplit(LocalRule):
                 and s.dim != 0
                 and s.length > 0
                 and not written_in_place(user)
+                and records_grad(user)  # a slice under no_grad passes no gradient
             ):
                 by_dim.setdefault(s.dim, []).append(s)
         for dim, slices in sorted(by_dim.items()):
@@ -209,7 +226,9 @@ class SlicesToSplit(LocalRule):
             if len(spans) < 2:
                 continue
             if all(a[0] + a[1] <= b[0] for a, b in itertools.pairwise(spans)):
-                return dim, slices, spans
+                # autograd refuses to read a split's piece once its base was written in
+                # place (a slice is a single view: it may)
+                return None if _written_through(node) else (dim, slices, spans)
         return None
 
     def rewrite(self, node: fx.Node, match: Any, ctx: RewriteContext) -> None:
@@ -264,7 +283,7 @@ class DropSingleSplit(LocalRule):
         if s is None or s[3] or len(s[2]) != 1:
             return None
         items = _items(node)
-        if not items:
+        if not items or not records_grad(node):
             return None
         return s[0], items
 
@@ -338,6 +357,8 @@ def _inner_split(node: fx.Node) -> tuple[int, list[int], list[fx.Node]] | None:
     items = _items(node)
     if items is None or split_sizes(outer_piece.source) is None:
         return None
+    if not records_grad(node):
+        return None
     return inner[1], list(inner[2]), items
 
 
@@ -394,7 +415,7 @@ class CatOfSplit(LocalRule):
             if kind != "cat":
                 return None
             d = dim % bi.ndim
-        if d != first.dim or _aliasing_changes(node, first.base):
+        if d != first.dim or _aliasing_changes(node, first.base) or not _recorded(node, pieces):
             return None
         return kind, first, pos - first.start, whole
 
@@ -438,7 +459,11 @@ class CatRunOfPieces(LocalRule):
         if oi is None or written_in_place(node):
             return None
         d = dim % oi.ndim
-        runs = [r for r in _piece_runs(inputs, d) if r[1] - r[0] >= 2 and _whole(inputs, r)]
+        runs = [
+            r
+            for r in _piece_runs(inputs, d)
+            if r[1] - r[0] >= 2 and _whole(inputs, r) and not _cuts_grad(inputs[r[0] : r[1]])
+        ]
         if not runs or (len(runs) == 1 and runs[0][1] - runs[0][0] == len(inputs)):
             return None
         return d, runs
@@ -491,6 +516,12 @@ def _whole(inputs: list[Any], run: tuple[int, int]) -> bool:
     first, last = piece_of(inputs[run[0]]), piece_of(inputs[run[1] - 1])
     bi = meta.info(first.base)  # type: ignore[union-attr]
     return first.start == 0 and last.start + last.length == bi.shape[first.dim]  # type: ignore[union-attr]
+
+
+def _cuts_grad(run: list[Any]) -> bool:
+    """Were the run's pieces taken under ``no_grad`` (a view of their base taken at the cat
+    would pass the gradient they cut)?"""
+    return not all(records_grad(piece_of(x).source) for x in run)  # type: ignore[union-attr]
 
 
 def _joinable(p: Piece, d: int) -> bool:
@@ -551,6 +582,8 @@ class SplitOfCat(LocalRule):
             return None
         if any(_aliasing_changes(it, x) for it, x in zip(items, inputs)):
             return None
+        if not (records_grad(node) and records_grad(base)):  # see _recorded
+            return None
         return inputs, items
 
     def rewrite(self, node: fx.Node, match: Any, ctx: RewriteContext) -> None:
@@ -602,7 +635,7 @@ class StackOfPieces(LocalRule):
         bi, oi = meta.info(first.base), ctx.info(node)
         if not isinstance(bi, meta.TensorInfo) or oi is None or not bi.static:
             return None
-        if _aliasing_changes(node, first.base):
+        if _aliasing_changes(node, first.base) or not _recorded(node, pieces):
             return None
         return first, len(xs), k % oi.ndim
 
