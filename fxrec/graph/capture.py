@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import operator
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -60,6 +61,9 @@ class FxrecTracer(fx.Tracer):
         _refuse_written_constants(graph)
         return graph
 
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return _InPlaceProxy(node, self)
+
     def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
         if _modes() != getattr(self, "_modes", _modes()):
             raise CaptureError(
@@ -75,6 +79,26 @@ class FxrecTracer(fx.Tracer):
         if mod.startswith("torchrec."):
             return True
         return super().is_leaf_module(m, qualname)
+
+
+class _InPlaceProxy(fx.Proxy):
+    """Records ``t += x`` as ``operator.iadd(t, x)``, which writes ``t`` in place as the model
+    does (a plain proxy falls back to ``t = t + x``: views of ``t``, and a caller's tensor
+    passed in as ``t``, would miss the write)."""
+
+
+def _augmented(op: Any) -> Any:
+    def method(self: fx.Proxy, other: Any) -> fx.Proxy:
+        return self.tracer.create_proxy("call_function", op, (self, other), {})
+
+    return method
+
+
+for _name in (
+    "iadd", "isub", "imul", "itruediv", "ifloordiv", "imod", "ipow", "imatmul", "iand",
+    "ior", "ixor", "ilshift", "irshift",
+):  # fmt: skip
+    setattr(_InPlaceProxy, f"__{_name}__", _augmented(getattr(operator, _name)))
 
 
 @contextlib.contextmanager

@@ -1,6 +1,7 @@
-"""What a symbolic trace would silently get wrong goes to dynamo instead: grad-mode and
-autocast regions inside forward, random draws and tensors built from constant arguments.
-Each model is optimized and compared with itself, outputs and gradients, call after call."""
+"""What a symbolic trace would silently get wrong is traced right, or goes to dynamo:
+grad-mode and autocast regions inside forward, random draws and tensors built from constant
+arguments, augmented assignment (``h += 1``). Each model is optimized and compared with
+itself, outputs and gradients, call after call."""
 
 from __future__ import annotations
 
@@ -101,3 +102,28 @@ def test_other_threads_draw_while_a_model_is_traced() -> None:
     gm = capture_symbolic(DrawsOnAnotherThread())
     x = torch.randn(2, 3)
     torch.testing.assert_close(gm(x), torch.tanh(x))
+
+
+class AugmentedAssignment(nn.Module):
+    """``h += 1`` writes ``h`` in place: a view taken before sees it, and so does the caller's
+    tensor (``x += 1``); a size augmented (``n += 1``) is a new number."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = x * 2
+        first = h[:, :2]
+        h += 1
+        x += 1
+        n = x.shape[0]
+        n += 1
+        return first * n, h
+
+
+def test_augmented_assignment_writes_in_place() -> None:
+    x = torch.randn(3, 4)
+    mine, theirs = x.clone(), x.clone()
+    opt = fxrec.optimize(AugmentedAssignment(), (x.clone(),), check=False)
+    assert opt.fxrec_report.capture == "symbolic_trace"
+    got, want = opt(mine), AugmentedAssignment()(theirs)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    torch.testing.assert_close(mine, theirs)  # the caller's tensor was written alike
