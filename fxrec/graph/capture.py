@@ -26,7 +26,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from fxrec.graph.effects import has_hooks
+from fxrec.graph.effects import has_hooks, mutates_input, written_target
 
 logger = logging.getLogger(__name__)
 
@@ -167,8 +167,6 @@ def _refuse_written_constants(graph: fx.Graph) -> None:
     """A tensor made at trace time (``torch.zeros(4, 8)``) is one constant of the graph: the
     graph must not write it in place (every call would see the last call's writes), nor
     return it (the caller could)."""
-    from fxrec.graph.effects import mutates_input, written_target
-
     def constant(n: Any) -> bool:
         return isinstance(n, fx.Node) and n.op == "get_attr" and "_tensor_constant" in str(
             n.target

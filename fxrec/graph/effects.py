@@ -28,6 +28,7 @@ __all__ = [
     "mode_regions",
     "written_in_place",
     "written_target",
+    "view_bases",
 ]
 
 _STATEFUL_FUNCTIONS = {F.batch_norm, torch.batch_norm, F.instance_norm}
@@ -194,6 +195,16 @@ def _is_view(node: fx.Node) -> bool:
     if node.op == "call_method":
         return node.target in _VIEW_METHODS
     return node.op == "call_function" and node.target in _VIEW_FUNCTIONS
+
+
+def view_bases(node: fx.Node) -> list[fx.Node]:
+    """``node`` and the tensors whose memory its result may share, nearest first
+    (``t[:, :8]``: it, then ``t``); the last one owns the memory."""
+    chain = [node]
+    while _is_view(node) and node.args and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+        chain.append(node)
+    return chain
 
 
 _SWITCHES = frozenset(

@@ -57,11 +57,10 @@ def param_groups(opt: Any, groups: Iterable[Any]) -> list[dict[str, Any]]:
                 mine.append(p)
                 continue
             flat = hit[0]
-            first = group_of.setdefault(flat, gi)
-            if first == gi:
-                if not any(t is getattr(fused, flat) for t in mine):
-                    mine.append(getattr(fused, flat))
-            elif _options(listed[first]) != _options(group):
+            if flat not in group_of:  # the flat parameter goes to its first member's group
+                group_of[flat] = gi
+                mine.append(getattr(fused, flat))
+            elif _options(listed[group_of[flat]]) != _options(group):
                 raise ValueError(
                     f"{names.get(id(p), 'a parameter')!r} is in a group with other options "
                     f"than other parameters laid out with it in fxrec_fused.{flat}, which "

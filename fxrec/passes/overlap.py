@@ -50,10 +50,10 @@ import torch.fx as fx
 
 from fxrec.graph import meta
 from fxrec.graph.effects import (
-    _is_view,
     comm_kind,
     has_side_effects,
     mutates_input,
+    view_bases,
     written_target,
 )
 from fxrec.graph.rule import LocalRule, RewriteContext, register
@@ -95,13 +95,6 @@ def _dependencies(nodes: Sequence[fx.Node]) -> dict[fx.Node, set[fx.Node]]:
     return deps
 
 
-def _storage(node: fx.Node) -> fx.Node:
-    """The node whose memory ``node``'s result may share (followed through views)."""
-    while _is_view(node) and node.args and isinstance(node.args[0], fx.Node):
-        node = node.args[0]
-    return node
-
-
 def _order_writes(nodes: Sequence[fx.Node], deps: dict[fx.Node, set[fx.Node]]) -> None:
     """An in-place write stays after every node that reads the memory it writes before it
     (``cat([h, ...])`` then ``h.relu_()``), and every later reader stays after it, whichever
@@ -109,13 +102,13 @@ def _order_writes(nodes: Sequence[fx.Node], deps: dict[fx.Node, set[fx.Node]]) -
     readers: dict[fx.Node, list[fx.Node]] = {}
     writer: dict[fx.Node, fx.Node] = {}
     for n in nodes:
-        mem = {_storage(a) for a in n.all_input_nodes}
+        mem = {view_bases(a)[-1] for a in n.all_input_nodes}
         for m in mem:
             if m in writer:
                 deps[n].add(writer[m])
         target = written_target(n) if mutates_input(n) else None
         if isinstance(target, fx.Node):
-            m = _storage(target)
+            m = view_bases(target)[-1]
             deps[n].update(r for r in readers.get(m, ()) if r is not n)
             writer[m] = n
         for m in mem:

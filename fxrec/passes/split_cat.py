@@ -38,7 +38,7 @@ import torch
 import torch.fx as fx
 
 from fxrec.graph import meta
-from fxrec.graph.effects import _is_view, mutates_input, records_grad, written_in_place
+from fxrec.graph.effects import mutates_input, records_grad, view_bases, written_in_place
 from fxrec.graph.pieces import SPLIT_LIKE, Piece, piece_of, split_sizes
 from fxrec.graph.rule import LocalRule, RewriteContext, register
 
@@ -174,21 +174,14 @@ def _aliasing_changes(result: fx.Node, base: Any) -> bool:
         return False
     if _written_through(base):
         return True
-    while _is_view(base) and base.args and isinstance(base.args[0], fx.Node):
-        base = base.args[0]
     returned = any(u.op == "output" for u in result.users)
-    return returned and base.op in ("placeholder", "get_attr")
+    return returned and view_bases(base)[-1].op in ("placeholder", "get_attr")
 
 
 def _written_through(node: fx.Node) -> bool:
     """Is ``node``, or a tensor it is a view of (``t[:, :8]``: ``t`` too), written in place
     (directly or through any view)?"""
-    while True:
-        if written_in_place(node):
-            return True
-        if not (_is_view(node) and node.args and isinstance(node.args[0], fx.Node)):
-            return False
-        node = node.args[0]
+    return any(written_in_place(n) for n in view_bases(node))
 
 
 def _recorded(node: fx.Node, pieces: list[Any]) -> bool:

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.fx as fx
 from torch import nn
 from torch.utils._pytree import tree_leaves
+
+import fxrec
 
 
 def outputs_and_grads(model: nn.Module, args: tuple, fn: Callable[..., Any] | None = None) -> Any:
@@ -72,6 +74,27 @@ def dynamo_graph(fn: Callable[..., Any], *args: Any) -> tuple[fx.GraphModule, li
     torch._dynamo.reset()
     gm = rec.graphs[0]
     return fx.GraphModule(gm, copy.deepcopy(gm.graph)), rec.inputs[0]
+
+
+def through_inductor_pass(
+    model: nn.Module, xs: Sequence[torch.Tensor], params_only: bool = False
+) -> Callable[..., Any]:
+    """``model`` as the graph dynamo hands Inductor, after fxrec's pass, run as it is
+    (Inductor's C++ build is slow on 2 cores): called with new inputs, it returns the graph's
+    first output. The graph reads the model's tensors as inputs (``params_only``: check that
+    they are all parameters)."""
+    leaves = [x.clone().requires_grad_() for x in xs]
+    gm, inputs = dynamo_graph(model, *leaves)
+    fxrec.inductor_pass()(gm.graph)
+    gm.recompile()
+    where = {id(x): i for i, x in enumerate(leaves)}
+    if params_only:
+        assert all(id(a) in where or isinstance(a, nn.Parameter) for a in inputs)
+
+    def run(*args: torch.Tensor) -> Any:
+        return gm(*(args[where[id(a)]] if id(a) in where else a for a in inputs))[0]
+
+    return run
 
 
 _VIEWS = {"split", "chunk", "unbind", "narrow", "view", "reshape", "getitem", "split_with_sizes"}

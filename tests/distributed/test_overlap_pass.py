@@ -19,8 +19,9 @@ from torch import nn
 
 import fxrec
 from fxrec.graph.capture import capture_symbolic
+from fxrec.graph.effects import view_bases
 from fxrec.graph.meta import set_info
-from fxrec.passes.overlap import OverlapComm, _apply, _storage, comm_kind, moved_ahead, schedule
+from fxrec.passes.overlap import OverlapComm, _apply, comm_kind, moved_ahead, schedule
 from tests.distributed.launch import run_ranks
 
 A2A = torch.ops._c10d_functional.all_to_all_single
@@ -240,9 +241,9 @@ def _check_random_graph(ops: list[int], rnd, group: str) -> None:
     assert sorted(effects, key=pos.__getitem__) == effects
     # an in-place write keeps its place among the nodes that read the memory it writes
     for w in (n for n in old if str(n.target).endswith("_")):
-        mem = _storage(w.args[0])
+        mem = view_bases(w.args[0])[-1]
         for r in old:
-            if r is not w and any(_storage(a) is mem for a in r.all_input_nodes):
+            if r is not w and any(view_bases(a)[-1] is mem for a in r.all_input_nodes):
                 assert (pos[r] < pos[w]) == (old.index(r) < old.index(w)), (r, w)
     # a wait that feeds no request comes after every node not depending on it ... or right
     # before a user; and the schedule is a fixed point.

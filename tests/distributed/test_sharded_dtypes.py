@@ -14,6 +14,7 @@ from fxrec.distributed import shard
 from fxrec.sparse import KeyedJaggedTensor
 from fxrec.sparse.validation import validation_disabled
 from tests.distributed.launch import run_ranks
+from tests.distributed.test_sharded_ebc import make_batch as sharded_batch
 
 pytestmark = pytest.mark.distributed
 
@@ -36,18 +37,7 @@ def make_ebc(weighted: bool = False, n_tables: int = 4):
 
 def make_batch(ebc, rank: int, weighted: bool, seed: int = 0) -> KeyedJaggedTensor:
     """A fresh random local batch (its size depends on the rank: uneven splits)."""
-    g = torch.Generator().manual_seed(1000 * seed + rank)
-    batch = 2 + rank
-    keys, vals, lens = [], [], []
-    for c in ebc.embedding_bag_configs():
-        for f in c.feature_names:
-            ln = torch.randint(0, 4, (batch,), generator=g)
-            keys.append(f)
-            lens.append(ln)
-            vals.append(torch.randint(0, c.num_embeddings, (int(ln.sum()),), generator=g))
-    values = torch.cat(vals)
-    weights = torch.rand(values.numel(), generator=g) + 0.5 if weighted else None
-    return KeyedJaggedTensor(keys, values, weights, lengths=torch.cat(lens))
+    return sharded_batch(ebc, rank + 10 * seed, 2 + rank, weighted, extra_key=False)
 
 
 def check_against_unsharded(ebc, sharded, kjt, rank: int, atol: float, ref_kjt=None) -> None:

@@ -18,26 +18,19 @@ from torch import nn
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 import fxrec
+from tests.graph.test_drop_in import TOL, D, Norms
 
-D = 8
 N = 4
-TOL = 1e-4  # fused and separate layers sum in different orders
 
 
-class Towers(nn.Module):
+class Towers(Norms):
     """Per-slice LayerNorm -> Linear -> tanh (stacked layouts) and heads sharing one input
     (a concatenated layout where the rules fuse them)."""
 
     def __init__(self, untraceable: bool = False) -> None:
-        super().__init__()
-        self.norms = nn.ModuleList(nn.LayerNorm(D) for _ in range(N))
+        super().__init__(N, untraceable)
         self.lins = nn.ModuleList(nn.Linear(D, D) for _ in range(N))
         self.heads = nn.ModuleList(nn.Linear(N * D, D) for _ in range(3))
-        self.untraceable = untraceable
-        with torch.no_grad():
-            for m in self.norms:
-                m.weight.normal_()
-                m.bias.normal_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.untraceable and x.dim() > 1:  # a branch on a shape: dynamo captures it

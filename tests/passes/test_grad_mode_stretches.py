@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 import fxrec
-from tests.compile.helpers import GraphRecorder
+from tests.compile.helpers import dynamo_graph, through_inductor_pass
 
 
 class ReaderInsideTheBlock(nn.Module):
@@ -196,25 +196,6 @@ def _assert_same(got: tuple, want: tuple) -> None:
             torch.testing.assert_close(g, w)
 
 
-def _through_inductor_pass(model: nn.Module, xs: list[torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """``model`` as the graph dynamo hands Inductor, after fxrec's pass, run as it is
-    (Inductor's C++ build is slow on 2 cores). The graph reads the parameters as inputs."""
-    rec = GraphRecorder()
-    leaves = [x.clone().requires_grad_() for x in xs]
-    torch._dynamo.reset()
-    torch.compile(model, backend=rec, fullgraph=True)(*leaves)
-    torch._dynamo.reset()
-    gm, inputs = rec.graphs[0], rec.inputs[0]
-    fxrec.inductor_pass()(gm.graph)
-    where = {id(x): i for i, x in enumerate(leaves)}
-    assert all(id(a) in where or isinstance(a, nn.Parameter) for a in inputs)
-
-    def run(*args: torch.Tensor) -> torch.Tensor:
-        return gm(*(args[where[id(a)]] if id(a) in where else a for a in inputs))[0]
-
-    return run
-
-
 @pytest.mark.parametrize("cls", CASES, ids=lambda c: c.__name__)
 @pytest.mark.parametrize("entry", ["optimize", "compile_backend", "inductor_pass"])
 def test_gradients_stay_cut_where_the_model_cuts_them(cls: type[nn.Module], entry: str) -> None:
@@ -229,7 +210,7 @@ def test_gradients_stay_cut_where_the_model_cuts_them(cls: type[nn.Module], entr
         torch._dynamo.reset()
         run = torch.compile(twin, backend=fxrec.compile_backend())
     else:
-        run = _through_inductor_pass(twin, _inputs())
+        run = through_inductor_pass(twin, _inputs(), params_only=True)
     got = _outputs_and_grads(twin, run, xs, params)
     _assert_same(got, _outputs_and_grads(model, model, xs))
     torch._dynamo.reset()
@@ -259,7 +240,7 @@ def test_no_merging_with_a_twin_inside_enable_grad(entry: str) -> None:
         run: Callable[..., torch.Tensor] = torch.compile(twin, backend=fxrec.compile_backend())
     else:
         with torch.no_grad():
-            run = _through_inductor_pass(twin, [x])
+            run = through_inductor_pass(twin, [x], params_only=True)
     with torch.no_grad():
         got = _outputs_and_grads(twin, run, [x])
         want = _outputs_and_grads(model, model, [x])
@@ -278,10 +259,7 @@ def test_members_in_one_stretch_still_fuse() -> None:
             return torch.cat([p.tanh() for p in parts], 1) * t
 
     x = torch.randn(4, 16)
-    rec = GraphRecorder()
-    torch.compile(M(), backend=rec, fullgraph=True)(x)
-    torch._dynamo.reset()
-    gm, inputs = rec.graphs[0], rec.inputs[0]
+    gm, inputs = dynamo_graph(M(), x)
     p = fxrec.inductor_pass()
     p(gm.graph)
     assert p.report.count("parallel_unary") == 1

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 import fxrec
-from tests.compile.helpers import GraphRecorder
+from tests.compile.helpers import through_inductor_pass
 
 
 class AugmentedWriteToTheBase(nn.Module):
@@ -49,23 +49,6 @@ class BufferReadThenWritten(nn.Module):
         return torch.cat([a, torch.tanh(x), torch.tanh(x * y), torch.tanh(x + y)], 1)
 
 
-def _through_inductor_pass(model: nn.Module, xs: list[torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """The graph dynamo hands Inductor, after fxrec's pass, run as it is."""
-    rec = GraphRecorder()
-    leaves = [x.clone().requires_grad_() for x in xs]
-    torch._dynamo.reset()
-    torch.compile(model, backend=rec, fullgraph=True)(*leaves)
-    torch._dynamo.reset()
-    gm, inputs = rec.graphs[0], rec.inputs[0]
-    fxrec.inductor_pass()(gm.graph)
-    where = {id(x): i for i, x in enumerate(leaves)}
-
-    def run(*args: torch.Tensor) -> torch.Tensor:
-        return gm(*(args[where[id(a)]] if id(a) in where else a for a in inputs))[0]
-
-    return run
-
-
 @pytest.mark.parametrize(
     ("cls", "entry"),
     [
@@ -87,7 +70,7 @@ def test_members_see_the_write_where_the_model_does(cls: type[nn.Module], entry:
         torch._dynamo.reset()
         run = torch.compile(twin, backend=fxrec.compile_backend())
     else:
-        run = _through_inductor_pass(twin, zeros)
+        run = through_inductor_pass(twin, zeros)
     for buf in (*model.buffers(), *twin.buffers()):
         buf.zero_()  # example runs wrote the twin's: both start from zeros
     for _ in range(2):  # the second call reads the state the first one wrote
