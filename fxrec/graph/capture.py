@@ -47,12 +47,18 @@ class CaptureError(RuntimeError):
 class FxrecTracer(fx.Tracer):
     """Symbolic tracer that keeps fxrec's and TorchRec's sparse modules as leaves.
 
+    Buffers are proxies (``get_attr`` nodes), as parameters are: a computation on buffers
+    alone (``torch.tanh(self.scale)``) runs on every call, so a buffer loaded or changed
+    after capture is read; a plain trace runs it once and keeps its result as a constant.
+
     It refuses what a symbolic trace would silently get wrong (dynamo gets each right):
     activation checkpointing (traced through, dropping the recomputation), grad-mode and
     autocast regions inside ``forward`` (``with torch.no_grad():``: a graph records no mode
     change), and random draws from constant arguments (``torch.randn(4, 8)`` runs once,
     at trace time, and its result would be a constant of the graph).
     """
+
+    proxy_buffer_attributes = True
 
     def trace(self, root: Any, concrete_args: Any = None) -> fx.Graph:
         self._modes = _modes()
@@ -208,8 +214,8 @@ def capture_symbolic(model: nn.Module) -> fx.GraphModule:
         written = _restore_written(saved)
     if written:
         raise CaptureError(
-            f"symbolic tracing skipped: forward writes buffer {written!r} (``self.n += 1``), "
-            "which tracing would run once, on the real buffer, and leave out of the graph"
+            f"symbolic tracing skipped: forward assigns buffer {written!r} (``self.n += 1``, "
+            "``self.n = t``), which a graph does not record"
         )
     return gm
 
@@ -227,8 +233,10 @@ def _buffer_state(model: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor, 
 def _restore_written(saved: list[tuple[nn.Module, str, torch.Tensor, int, torch.Tensor]]) -> str:
     """Put back every buffer a trace wrote or reassigned; the first one's name ("" if none).
 
-    A buffer is a plain tensor to symbolic tracing, so ``self.n += 1`` in ``forward`` runs
-    on it while tracing and records nothing in the graph.
+    Buffers are proxies while tracing, so ``self.n.add_(1)`` is a node of the graph; but
+    ``self.n += 1`` and ``self.n = t`` also assign the attribute (to a proxy), which the
+    graph does not record, and a buffer reached around ``getattr`` (``self._buffers``) is
+    a plain tensor that the trace would write once.
     """
     written = ""
     for m, name, b, version, copy in saved:
