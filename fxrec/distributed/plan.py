@@ -52,6 +52,9 @@ class ShardingPlan:
     def validate(self, tables: Sequence[TableSpec]) -> None:
         names = {t.name for t in tables}
         rw = set(self.row_wise)
+        twice = sorted({n for n in self.row_wise if self.row_wise.count(n) > 1})
+        if twice:
+            raise ValueError(f"sharding plan lists tables {twice} in row_wise more than once.")
         both = sorted(rw & set(self.owners))
         if both:
             raise ValueError(
@@ -64,10 +67,15 @@ class ShardingPlan:
                 f"sharding plan does not match the collection: tables without an owner "
                 f"{missing}, unknown tables {extra}."
             )
-        bad = {t: r for t, r in self.owners.items() if not 0 <= r < self.world_size}
+        bad = {
+            t: r
+            for t, r in self.owners.items()
+            if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < self.world_size
+        }
         if bad:
             raise ValueError(
-                f"sharding plan places tables on ranks outside 0..{self.world_size - 1}: {bad}"
+                f"sharding plan places tables on ranks that are not integers in "
+                f"0..{self.world_size - 1}: {bad}"
             )
 
     def tables_of(self, rank: int, tables: Sequence[TableSpec]) -> list[TableSpec]:

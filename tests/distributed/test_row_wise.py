@@ -158,6 +158,8 @@ def test_greedy_plan_splits_row_wise_tables_first() -> None:
         greedy_plan(specs, 2, row_wise=["nope"])
     with pytest.raises(ValueError, match="choose one"):
         ShardingPlan({"t0": 0, "t1": 1, "t2": 0, "t3": 1}, 2, ("t2",)).validate(specs)
+    with pytest.raises(ValueError, match="more than once"):
+        ShardingPlan({"t0": 0, "t1": 1, "t3": 1}, 2, ("t2", "t2")).validate(specs)
     with pytest.raises(ValueError, match="cannot be split"):
         row_bounds(3, 4)
 

@@ -121,8 +121,9 @@ def test_plan_validation_errors() -> None:
     specs = table_specs(make_ebc(n_tables=2))
     with pytest.raises(ValueError, match="without an owner"):
         ShardingPlan({"t0": 0}, 2).validate(specs)
-    with pytest.raises(ValueError, match="outside"):
-        ShardingPlan({"t0": 0, "t1": 5}, 2).validate(specs)
+    for rank in (5, -1, 1.0, True, "1"):
+        with pytest.raises(ValueError, match=r"not integers in 0\.\.1"):
+            ShardingPlan({"t0": 0, "t1": rank}, 2).validate(specs)  # type: ignore[dict-item]
 
 
 def _missing_key(rank: int, world: int) -> None:
