@@ -48,8 +48,16 @@ class Report:
             Firing(rule, family, [getattr(n, "name", str(n)) for n in nodes], detail)
         )
 
+    def __post_init__(self) -> None:
+        self._refused: set[tuple[str, tuple[str, ...], str]] = set()
+
     def refused(self, rule: str, nodes: list[Any], reason: str) -> None:
-        self.refusals.append(Refusal(rule, [getattr(n, "name", str(n)) for n in nodes], reason))
+        """Record a refusal once: the driver's later passes see the same candidate again."""
+        names = [getattr(n, "name", str(n)) for n in nodes]
+        key = (rule, tuple(names), reason)
+        if key not in self._refused:
+            self._refused.add(key)
+            self.refusals.append(Refusal(rule, names, reason))
 
     def note(self, text: str) -> None:
         """Add a note once (the same situation on several graphs is one note)."""

@@ -147,6 +147,26 @@ def test_memory_bound_refuses(fake_pg: str) -> None:
     assert _names(gm) == _names(capture_symbolic(DenseFirst(fake_pg)))
 
 
+class FusingDenseFirst(DenseFirst):
+    """Parallel tanhs the default rules fuse, so that the driver runs several passes."""
+
+    def forward(self, dense: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        d = self.mlp(dense)
+        d = torch.cat([torch.tanh(d[:, :2] * 2), torch.tanh(d[:, 2:] * 3)], 1)
+        e = self.emb(ids)
+        splits = [e.shape[0] // self.world] * self.world
+        w = WAIT(A2A(e, splits, splits, self.group))
+        return self.top(torch.cat([d, torch.tanh(w)], 1))
+
+
+def test_a_refusal_is_reported_once_over_passes(fake_pg: str) -> None:
+    rules = ["default", OverlapComm(max_extra_bytes=0)]
+    opt = fxrec.optimize(FusingDenseFirst(fake_pg), _inputs(), rules=rules, check=False)
+    report = opt.fxrec_report
+    assert report.passes > 1 and report.count() > 0
+    assert [r.rule for r in report.refusals].count("overlap_comm") == 1
+
+
 class TwoCollectives(nn.Module):
     """Two exchanges and an in-place op: their written order is kept."""
 
