@@ -10,11 +10,13 @@ import contextlib
 import copy
 import gc
 import logging
+import operator
 import os
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
+import torch
 import torch.fx as fx
 from torch.fx.node import map_arg
 
@@ -163,6 +165,7 @@ def _optimize_in_place(
             run_rules(ctx, rules)
         finally:
             passes_s = time.perf_counter() - t0
+        _dense_outputs(gm, backup.nodes())
         params.rebind()
         gm.graph.lint()
         gm.recompile()
@@ -179,6 +182,53 @@ def _optimize_in_place(
     return passes_s
 
 
+def _dense_outputs(gm: fx.GraphModule, before: set[fx.Node]) -> None:
+    """Return dense tensors where the rules made the graph return pieces of a fused result.
+
+    A fused op's members are strided views of its result (``out[:, 4:8]``); the model
+    returned each as a tensor of its own, which a caller may ``.view()`` (the piece cannot).
+    Returned pieces are made contiguous: ``contiguous()`` copies a piece only if it is not
+    dense already, and two or more pieces unbound from one result take one copy between them
+    (the result with the unbound dim moved first, unbound again).
+    """
+    graph = gm.graph
+    out = graph.output_node()
+    returned: dict[fx.Node, None] = {}
+    map_arg(out.args, lambda a: returned.setdefault(a))
+    new = [a for a in returned if a not in before and isinstance(meta.info(a), meta.TensorInfo)]
+    by_unbind: dict[fx.Node, list[fx.Node]] = {}
+    for a in new:
+        src = a.args[0] if a.target is operator.getitem else None
+        if isinstance(src, fx.Node) and src not in before and src.target is torch.unbind:
+            by_unbind.setdefault(src, []).append(a)
+    dense: dict[fx.Node, fx.Node] = {}
+
+    def add(op: str, target: Any, args: tuple) -> fx.Node:
+        with graph.inserting_before(out):
+            node = graph.create_node(op, target, args)
+        meta.infer(gm, node)
+        return node
+
+    for src, pieces in by_unbind.items():
+        base, dim = src.args[0], src.args[1] if len(src.args) > 1 else src.kwargs.get("dim", 0)
+        if len(pieces) < 2 or dim == 0:
+            continue
+        moved = add("call_method", "contiguous", (add("call_method", "movedim", (base, dim, 0)),))
+        again = add("call_function", torch.unbind, (moved, 0))
+        for p in pieces:
+            dense[p] = add("call_function", operator.getitem, (again, p.args[1]))
+    for a in new:
+        if a not in dense:
+            dense[a] = add("call_method", "contiguous", (a,))
+    out.args = map_arg(out.args, lambda a: dense.get(a, a))
+    for src, pieces in by_unbind.items():
+        for p in pieces:
+            if not p.users:
+                graph.erase_node(p)
+        if not src.users:
+            graph.erase_node(src)
+
+
 class _Snapshot:
     """The graph as it was before the rules ran, to restore if one of them fails.
 
@@ -193,6 +243,10 @@ class _Snapshot:
             (n, n.op, n.target, n.args, n.kwargs, n.name, n.type, copy.copy(n.meta))
             for n in graph.nodes
         ]
+
+    def nodes(self) -> set[fx.Node]:
+        """The nodes of the graph as it was."""
+        return {n for n, *_ in self._nodes}
 
     def restore(self) -> fx.Graph:
         """A new graph equal to ``Graph.graph_copy`` of the recorded one, plus its output."""
