@@ -16,6 +16,7 @@ _EXPORTS = {
     "optimize": "fxrec.graph.module",
     "OptimizedModule": "fxrec.graph.module",
     "param_groups": "fxrec.graph.param_groups",
+    "export": "fxrec.graph.exporting",
     "Report": "fxrec.graph.report",
     "count_kernels": "fxrec.measure",
     "KernelCount": "fxrec.measure",

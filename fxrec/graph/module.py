@@ -65,8 +65,9 @@ def _signature(x: Any) -> Any:
     Sparse values change length every batch; rules never depend on that length, so jagged
     inputs are keyed by type and keys alone.
     """
-    if isinstance(x, torch.Tensor):
-        return ("T", tuple(x.shape), x.dtype, x.device.type, x.requires_grad)
+    if isinstance(x, torch.Tensor):  # a symbolic size (export, dynamo) keys as "s"
+        shape = tuple(d if isinstance(d, int) else "s" for d in x.shape)
+        return ("T", shape, x.dtype, x.device.type, x.requires_grad)
     if isinstance(x, (list, tuple)):
         return (type(x).__name__, *(_signature(i) for i in x))
     if isinstance(x, Mapping) and type(x) is dict:
@@ -136,6 +137,13 @@ class OptimizedModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if kwargs:
             args, kwargs = self._bind(args, kwargs)
+        if torch.compiler.is_exporting() and self.fxrec_fused.member_ids():
+            raise RuntimeError(
+                "fxrec: torch.export.export cannot export an optimized module whose parameters "
+                "are laid out (it lists both the members and the flat parameters); export it "
+                "with fxrec.export(opt, args, dynamic_shapes=...), which takes the same "
+                "arguments as torch.export.export."
+            )
         if _registered[0] != self._params_seen:
             self._check_params()
         key = self._key(args, kwargs)
@@ -229,10 +237,13 @@ class OptimizedModule(nn.Module):
             and _structure(k) == _structure(key)
             and not isinstance(self._runners[k], _DynamoRunner)  # its direct call is one shape's
         ]
-        if loose and (mode in self._communicates or len(self._runners) >= MAX_CACHED_SIGNATURES):
+        exporting = torch.compiler.is_exporting()
+        full = len(self._runners) >= MAX_CACHED_SIGNATURES
+        if loose and (exporting or mode in self._communicates or full):
             # A graph of the same structure runs these inputs too. Reused when the cache is
             # full, and always when the graph communicates: building runs the graph, whose
             # collectives would then run on this rank only (other ranks' batch sizes differ).
+            # And while exporting: the inputs are fake, with symbolic sizes no rule fuses.
             runner = self._runners[loose[0]]
             if len(self._runners) < MAX_CACHED_SIGNATURES:
                 self._runners[key] = runner
@@ -298,7 +309,7 @@ class OptimizedModule(nn.Module):
         check would run them twice more (traced graphs are checked with hooks silenced, but
         dynamo compiles the hooks into its graphs).
         """
-        if not self._check or self._dynamo_backend.communicates:
+        if not self._check or self._dynamo_backend.communicates or _fake(args, kwargs):
             return runner
         if not example and any(has_hooks(m) for m in self._submodules):
             return runner
@@ -382,7 +393,8 @@ class OptimizedModule(nn.Module):
             for_inductor=self._backend == "inductor",
         )
         with _hooks_silenced(self.model):
-            same = not self._check or _same_outputs(self.model, gm, args, reference)
+            check = self._check and not _fake(args, {})  # fake inputs (export): no values
+            same = not check or _same_outputs(self.model, gm, args, reference)
         if not same:
             logger.warning(
                 "fxrec: optimized graph disagrees with the model on the example inputs; using the captured graph"
@@ -838,6 +850,14 @@ def _run_annotating(gm: fx.GraphModule, args: tuple) -> Any:
 
     with torch.no_grad():
         return _A(gm).run(*args)
+
+
+def _fake(args: tuple, kwargs: dict) -> bool:
+    """Are these inputs fake tensors (``torch.export`` tracing), which hold no values?"""
+    from torch._subclasses.fake_tensor import is_fake
+    from torch.utils._pytree import tree_leaves
+
+    return any(isinstance(t, torch.Tensor) and is_fake(t) for t in tree_leaves((args, kwargs)))
 
 
 def _same_outputs(

@@ -76,3 +76,80 @@ def test_exported_program_matches_the_model(strict: bool, weighted: bool, optimi
     assert not any(isinstance(v, torch.Tensor) and type(v) is not torch.Tensor
                    for c in caches for v in c.values())
     torch.testing.assert_close(run(example), model(example), rtol=1e-5, atol=1e-6)
+
+
+class Heads(nn.Module):
+    """Dense and sparse input; two Linear heads on one input (fused: laid-out parameters)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ebc = Ranker(False).ebc
+        self.bottom = nn.Linear(6, 4)
+        self.a = nn.Linear(24, 3)
+        self.b = nn.Linear(24, 3)
+
+    def forward(self, dense: torch.Tensor, kjt: KeyedJaggedTensor) -> torch.Tensor:
+        x = torch.cat([self.bottom(dense), self.ebc(kjt).values()], 1)
+        return self.a(x) * torch.sigmoid(self.b(x))
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_fxrec_export_of_laid_out_parameters(strict: bool) -> None:
+    g = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    model = Heads()
+    example = (torch.randn(3, 6), _batch(3, False, g))
+    opt = fxrec.optimize(model, example)  # in training mode
+    assert opt.fxrec_report.count("parallel_linear_same_input") == 1
+    assert opt.fxrec_fused.member_ids()
+    opt.eval()  # the eval graph is built by the export
+    shapes = _dynamic(example[1])
+    shapes[example[0]] = {0: Dim.DYNAMIC}
+    ep = fxrec.export(opt, example, dynamic_shapes=shapes, strict=strict)
+    exported = ep.module()
+    for rows in (2, 5):
+        batch = (torch.randn(rows, 6), _batch(rows, False, g))
+        torch.testing.assert_close(exported(*batch), model(*batch), rtol=1e-5, atol=1e-6)
+    # what the program holds: the flat parameters, not the members laid out in them
+    names = set(ep.state_dict)
+    assert {"a.weight", "b.weight"}.isdisjoint(names) and any("fxrec_fused" in n for n in names)
+
+
+def test_torch_export_of_laid_out_parameters_says_what_to_do() -> None:
+    g = torch.Generator().manual_seed(0)
+    example = (torch.randn(3, 6), _batch(3, False, g))
+    opt = fxrec.optimize(Heads().eval(), example)
+    with pytest.raises(RuntimeError, match=r"fxrec\.export\(opt, args"):
+        torch.export.export(opt, example, strict=False)
+
+
+def test_torch_export_builds_the_graph_of_another_mode() -> None:
+    """Optimized in training mode, exported in eval mode with a dynamic dense batch: the graph
+    is built while exporting, from fake inputs of symbolic sizes (parameters not laid out)."""
+    g = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    model = Heads()
+    example = (torch.randn(3, 6), _batch(3, False, g))
+    opt = fxrec.optimize(model, example, keep_params=True)
+    opt.eval()
+    shapes = _dynamic(example[1])
+    shapes[example[0]] = {0: Dim.DYNAMIC}
+    ep = torch.export.export(opt, example, strict=False, dynamic_shapes=shapes)
+    for rows in (2, 5):
+        batch = (torch.randn(rows, 6), _batch(rows, False, g))
+        torch.testing.assert_close(ep.module()(*batch), model(*batch), rtol=1e-5, atol=1e-6)
+
+
+def test_fxrec_export_of_a_dynamo_capture_raises() -> None:
+    class Untraceable(Heads):
+        def forward(self, dense: torch.Tensor, kjt: KeyedJaggedTensor) -> torch.Tensor:
+            if dense.sum() > 1e9:  # data-dependent: symbolic tracing fails
+                dense = dense * 2
+            return super().forward(dense, kjt)
+
+    g = torch.Generator().manual_seed(0)
+    example = (torch.randn(3, 6), _batch(3, False, g))
+    opt = fxrec.optimize(Untraceable().eval(), example)
+    with pytest.raises(ValueError, match="captured with dynamo"):
+        fxrec.export(opt, example)
+    torch._dynamo.reset()

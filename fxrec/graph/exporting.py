@@ -1,0 +1,63 @@
+"""``torch.export`` of an optimized module, for serving.
+
+``torch.export.export(opt, ...)`` lists a module's parameters twice over: through
+``opt.named_parameters()`` (the flat parameters, without the members laid out in them) and
+by walking every submodule (the members too), and fails when the two disagree. What is
+exported here is the graph fxrec built for these inputs, holding only the tensors it reads:
+the flat parameters and the model's other parameters and buffers, under their names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from fxrec.graph.capture import prune_attrs
+
+__all__ = ["export"]
+
+
+def export(
+    model: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any] | None = None,
+    **export_kwargs: Any,
+) -> torch.export.ExportedProgram:
+    """``torch.export.export`` for modules returned by :func:`fxrec.optimize` (any other
+    module is passed through). Takes the same arguments (``dynamic_shapes=``, ``strict=``).
+
+    The program computes what ``model`` computes in its current mode (``eval()`` first for
+    serving). Only symbolically traced models have a graph that can be exported: a model
+    fxrec captured with dynamo raises, and ``torch.export.export(opt.model, ...)`` exports it
+    unoptimized.
+    """
+    from fxrec.graph.module import OptimizedModule
+
+    if not isinstance(model, OptimizedModule):
+        return torch.export.export(model, tuple(args), dict(kwargs or {}), **export_kwargs)
+    call_args, call_kwargs = tuple(args), dict(kwargs or {})
+    if call_kwargs:
+        call_args, call_kwargs = model._bind(call_args, call_kwargs)
+    key = model._key(call_args, call_kwargs)
+    runner = model._runners.get(key)
+    if runner is None:
+        runner = model._build(key, call_args, call_kwargs)
+    if not isinstance(runner, fx.GraphModule):
+        if model._backend != "eager":
+            why = f"it was optimized with backend={model._backend!r}: optimize it with the default"
+        elif model.fxrec_report.capture == "dynamo":
+            why = "it was captured with dynamo (the report's notes say why symbolic tracing could not)"
+        else:
+            why = "it runs eagerly for these inputs (the report's notes say why)"
+        raise ValueError(
+            f"fxrec.export: {type(model.model).__name__} has no graph to export: {why}. "
+            "torch.export.export(opt.model, ...) exports the model unoptimized."
+        )
+    model.fxrec_fused.sync_data()
+    # the trace's placeholders: forward's arguments in order, keyword-only ones last
+    flat = call_args + tuple(call_kwargs.values())
+    return torch.export.export(prune_attrs(runner), flat, **export_kwargs)
