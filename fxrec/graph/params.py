@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import operator
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -63,6 +64,47 @@ class _Viewed:
     shape: torch.Size
     dtype: torch.dtype
     device: torch.device
+
+
+# Every laid-out member parameter in the process, by id: (member, its flat parameter), both
+# held weakly. An optimizer built on the model before ``fxrec.optimize`` holds the members,
+# whose gradients now go to the flat parameters: it would skip them, every step, silently.
+_LAID_OUT: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+_step_hook: list[RemovableHandle] = []
+
+
+def _watch(member: torch.Tensor, flat: torch.Tensor) -> None:
+    _LAID_OUT[id(member)] = (weakref.ref(member), weakref.ref(flat))
+    if not _step_hook:
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        _step_hook.append(register_optimizer_step_pre_hook(_refuse_stale_optimizer))
+
+
+def _refuse_stale_optimizer(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+    """Before any optimizer's step: raise if it holds a laid-out member that got no gradient
+    while its flat parameter did (the backward went through the flat parameters), and not
+    that flat parameter too (``ddp.parameters()`` walks into the members as well: harmless)."""
+    held: set[int] | None = None
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            entry = _LAID_OUT.get(id(p))
+            if entry is None or entry[0]() is not p or p.grad is not None:
+                continue
+            flat = entry[1]()
+            if flat is None or flat.grad is None:
+                continue
+            if held is None:
+                held = {id(q) for g in optimizer.param_groups for q in g["params"]}
+            if id(flat) not in held:
+                raise RuntimeError(
+                    f"fxrec: this {type(optimizer).__name__} holds a parameter of shape "
+                    f"{tuple(p.shape)} that fxrec.optimize laid out into a flat parameter: "
+                    "its gradient goes to the flat one, so the optimizer would never update "
+                    "it. Build the optimizer after optimize, on opt.parameters() "
+                    "(fxrec.param_groups(opt, groups) for parameter groups), or optimize with "
+                    "keep_params=True."
+                )
 
 
 def has_grad_hooks(t: torch.Tensor) -> bool:
@@ -350,6 +392,8 @@ class FusedParameters(nn.Module):
             for m in members:
                 m.tensor.data = _member_slice(flat.data, how, m)
                 m.ptr = m.tensor.data_ptr()
+                if isinstance(flat, nn.Parameter):
+                    _watch(m.tensor, flat)
             self._record(n, flat)
 
     def check_conversion(self, fn: object) -> None:

@@ -1,6 +1,7 @@
 """Laid-out parameters under code that reaches past the module: new data given to the flat
-parameters (``vector_to_parameters``), gradient hooks on the model's parameters, and
-``copy.deepcopy`` of a module together with its optimizer.
+parameters (``vector_to_parameters``), gradient hooks on the model's parameters,
+``copy.deepcopy`` of a module together with its optimizer, and an optimizer built before
+``fxrec.optimize``.
 
 Each test runs the same workflow on the optimized module and on a copy of the plain model
 made before ``fxrec.optimize``, and compares losses, parameters (through ``state_dict``, which
@@ -244,3 +245,38 @@ def test_deepcopy_with_the_optimizer_keeps_them_linked(optim: str, order: str) -
     for k, v in opt.state_dict().items():  # the original did not move
         torch.testing.assert_close(v, before[k], rtol=0, atol=0, msg=k)
     _same_state(opt, ref)
+
+
+# -- an optimizer built before optimize --------------------------------------------------------
+@pytest.mark.parametrize("untraceable", [False, True])
+def test_an_optimizer_built_before_optimize_raises_on_its_step(untraceable: bool) -> None:
+    """It holds the members, whose gradients go to the flat parameters: it would skip them."""
+    torch.manual_seed(0)
+    model = Towers(untraceable)
+    early = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = fxrec.optimize(model, (torch.randn(8, N * D),))
+    before = copy.deepcopy(opt.state_dict())
+    opt(torch.randn(8, N * D)).square().mean().backward()
+    with pytest.raises(RuntimeError, match="Build the optimizer after optimize"):
+        early.step()
+    assert all(torch.equal(v, opt.state_dict()[k]) for k, v in before.items())  # no half step
+    late = torch.optim.SGD(opt.parameters(), lr=0.1)
+    late.step()  # built on opt.parameters(): steps
+    assert not all(torch.equal(v, opt.state_dict()[k]) for k, v in before.items())
+
+
+def test_the_plain_model_still_trains_with_its_own_optimizer() -> None:
+    """Trained directly (not through optimize's module), members get gradients: no alarm."""
+    torch.manual_seed(0)
+    model = Towers()
+    ref = copy.deepcopy(model)
+    optims = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref)]
+    fxrec.optimize(model, (torch.randn(8, N * D),))
+    for _ in range(3):
+        x = torch.randn(8, N * D)
+        for m, o in zip((model, ref), optims):
+            o.zero_grad()
+            m(x).square().mean().backward()
+            o.step()
+    for (name, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
+        torch.testing.assert_close(a, b, msg=name)
