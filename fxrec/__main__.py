@@ -11,7 +11,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from fxrec.bench.cli import build_parser, run_cli
 
     parser = build_parser()
-    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    args, extra = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
+    if extra:  # with the command's usage, not the top level's
+        getattr(args, "command_parser", parser).error(f"unrecognized arguments: {' '.join(extra)}")
     return run_cli(args, parser)
 
 

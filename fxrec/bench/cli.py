@@ -69,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="graph section: only cases whose name contains NAME (repeat for several)",
     )
     bench.add_argument("-v", "--verbose", action="count", default=0, help="-v info, -vv debug")
+    bench.set_defaults(command_parser=bench)  # errors in its options print its usage
     return parser
 
 
@@ -191,6 +192,7 @@ def run_cli(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Carry out a parsed ``fxrec`` command line; returns the exit status."""
     if args.command != "bench":  # pragma: no cover - argparse only knows bench
         parser.error(f"unknown command {args.command!r}")
+    parser = getattr(args, "command_parser", parser)
     logging.basicConfig(
         level=(logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)],
         format="%(levelname)s %(name)s: %(message)s",

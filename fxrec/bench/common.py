@@ -65,6 +65,19 @@ def keep_freed_memory() -> bool:
     return ok
 
 
+def positive_int(text: str) -> int:
+    """An ``argparse`` type for counts and sizes (steps, batch, tables): 1 or more."""
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def sync(device: str | torch.device = "cpu") -> None:
     """Wait for queued device work so a wall-clock sample covers it."""
     if torch.device(device).type == "cuda":

@@ -45,6 +45,7 @@ import fxrec
 from fxrec.bench.common import (
     keep_freed_memory,
     percentile,
+    positive_int,
     print_table,
     results_dir,
     write_json,
@@ -100,12 +101,12 @@ def _batch(
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="few steps (smoke run)")
-    p.add_argument("--steps", type=int, default=None)
-    p.add_argument("--batch", type=int, default=1024)
-    p.add_argument("--tables", type=int, default=8)
-    p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--rows", type=int, default=5000)
-    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--steps", type=positive_int, default=None)
+    p.add_argument("--batch", type=positive_int, default=1024)
+    p.add_argument("--tables", type=positive_int, default=8)
+    p.add_argument("--dim", type=positive_int, default=64)
+    p.add_argument("--rows", type=positive_int, default=5000)
+    p.add_argument("--hidden", type=positive_int, default=512)
     p.add_argument("--timeout", type=float, default=120.0)
     p.add_argument(
         "--row-wise",
@@ -125,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     if not 0 <= args.compute_nice <= 19:
         p.error(f"--compute-nice takes 0..19, got {args.compute_nice}")
-    steps = args.steps or (10 if args.quick else 60)
+    steps = args.steps if args.steps is not None else (10 if args.quick else 60)
 
     torch.set_num_threads(THREADS_PER_RANK)
     keep_freed_memory()

@@ -107,6 +107,27 @@ def test_unknown_section_is_a_clear_error(capsys) -> None:
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "unknown section(s) grpah" in err and "graph" in err
+    assert "usage: fxrec bench" in err  # the bench command's usage, not the top level's
+
+
+def test_unknown_options_show_the_bench_usage(capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--bogus"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: --bogus" in err and "usage: fxrec bench" in err
+
+
+@pytest.mark.parametrize("flag", ["--steps", "--batch", "--tables"])
+@pytest.mark.parametrize("value", ["0", "-3", "two"])
+def test_overlap_counts_must_be_positive(flag: str, value: str, capsys) -> None:
+    from fxrec.bench.overlap import main as overlap_main
+
+    with pytest.raises(SystemExit) as exc:  # before any process group starts
+        overlap_main([flag, value])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert flag in err and ("at least 1" in err or "whole number" in err)
 
 
 def test_cuda_without_gpu_is_a_clear_error(monkeypatch, capsys) -> None:
