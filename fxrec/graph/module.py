@@ -937,20 +937,47 @@ def optimize(
     Returns:
         an :class:`OptimizedModule`; its ``fxrec_report`` says what was done.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"fxrec.optimize takes an nn.Module, got {type(model).__name__}; wrap a function "
+            "in a module whose forward calls it."
+        )
+    if example_inputs is not None and not isinstance(example_inputs, tuple):
+        example_inputs = _as_args(model, example_inputs)
     if keep_params is None:
         keep_params = example_inputs is None
     opt = OptimizedModule(
         model, rules, keep_params=keep_params, check=check, backend=backend, guards=guards
     )
     if example_inputs is not None:
-        if not isinstance(example_inputs, tuple):
-            example_inputs = (example_inputs,)
         opt._build(opt._key(example_inputs, {}), example_inputs, {}, example=True)
         opt.fxrec_fused.freeze()  # the optimizer is built on these layouts
         opt.fxrec_report.kernels_before, opt.fxrec_report.kernels_after = _kernels(
             model, opt, example_inputs
         )
     return opt
+
+
+def _as_args(model: nn.Module, example: Any) -> tuple:
+    """``example_inputs`` that is not a tuple: the one argument of ``forward``. A list (or
+    dict) that matches forward's parameters instead is refused: the tuple was meant."""
+    try:
+        params = [
+            p
+            for p in inspect.signature(model.forward).parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+    except (TypeError, ValueError):  # no signature to read: one argument it is
+        return (example,)
+    required = [p for p in params if p.default is p.empty]
+    if isinstance(example, (list, dict)) and len(required) > 1:
+        names = ", ".join(p.name for p in params)
+        raise TypeError(
+            f"fxrec.optimize: example_inputs is a {type(example).__name__}, but "
+            f"{type(model).__name__}.forward({names}) takes {len(required)} arguments; pass "
+            "them as a tuple (forward's positional arguments, in order)."
+        )
+    return (example,)
 
 
 def _kernels(model: nn.Module, opt: OptimizedModule, args: tuple) -> tuple[Any, Any]:

@@ -251,6 +251,21 @@ def test_unknown_rule_name_is_a_clear_error() -> None:
         fxrec.optimize(Scales(), rules=["nope"])
 
 
+def test_bad_model_or_example_inputs_are_clear_errors() -> None:
+    with pytest.raises(TypeError, match=r"takes an nn\.Module, got function"):
+        fxrec.optimize(lambda x: x, (torch.randn(2),))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"forward\(x0, x1, x2\) takes 3 arguments; pass them"):
+        fxrec.optimize(Scales(), list(_inputs()))  # type: ignore[arg-type]
+
+    class OneList(nn.Module):
+        def forward(self, xs: list[torch.Tensor]) -> torch.Tensor:
+            return torch.stack(xs).tanh()
+
+    xs = [torch.randn(3), torch.randn(3)]
+    opt = fxrec.optimize(OneList(), xs)  # type: ignore[arg-type]  # the one argument
+    torch.testing.assert_close(opt(xs), OneList()(xs))
+
+
 def test_untraceable_model_goes_through_dynamo() -> None:
     class Loop(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
