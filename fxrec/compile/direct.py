@@ -12,9 +12,11 @@ call's arguments along the paths dynamo recorded (``L['sparse']['f000']``), call
 graph, and rebuilds the output structure seen on the first call.
 
 What stays checked on every call is what :class:`fxrec.optimize`'s cache key holds (input
-structure, shapes, dtypes, devices, Python scalars, train/eval mode) and grad mode. The rest
-of dynamo's guards (attributes of the model read by ``forward``, hooks) are specialized at
-the first call, as symbolic tracing does; ``optimize(..., guards=True)`` keeps them.
+structure, shapes, dtypes, devices, Python scalars, train/eval mode), grad mode, and dynamo's
+own guards on the arguments (strides, a KJT's per-key counts that the graph baked in): a
+call they reject goes through dynamo, which recompiles. The rest of dynamo's guards
+(attributes of the model read by ``forward``, hooks) are specialized at the first call, as
+symbolic tracing does; ``optimize(..., guards=True)`` keeps them.
 """
 
 from __future__ import annotations
@@ -182,11 +184,20 @@ class DirectCall:
         inputs: Callable[..., tuple[Any, ...]],
         leaves: list[tuple[bool, Any]],
         spec: Any,
+        guards: Any,
+        params: Sequence[str],
     ) -> None:
         self.record = record
         self.inputs = inputs
         self.leaves = leaves  # (is graph output, its index or the constant)
         self.spec = spec
+        self.guards = guards  # dynamo's guards on the arguments (and global state)
+        self.params = list(params)
+
+    def accepts(self, args: tuple) -> bool:
+        """Do dynamo's guards on the arguments pass? The graph may have baked in Python
+        values read from them (a KJT's per-key counts), or their strides."""
+        return bool(self.guards.check(dict(zip(self.params, args))))
 
     def __call__(self, *args: Any) -> Any:
         outs = self.record.fn(*self.inputs(*args))
@@ -225,6 +236,9 @@ class DirectCall:
             return None, f"{len(entries)} compiled versions of the frame"
         if not plain_graph_call(entries[0].code):
             return None, "dynamo's code around the graph does more than call it"
+        guards = _argument_guards(entries[0], params)
+        if guards is None:
+            return None, "cannot read dynamo's guards on the arguments"
         (record,) = records
         inputs = input_paths(record.sources, params)
         if inputs is None:
@@ -244,4 +258,21 @@ class DirectCall:
                 leaves.append((False, leaf))
             else:
                 return None, f"an output of type {type(leaf).__name__}"
-        return cls(record, inputs, leaves, spec), ""
+        return cls(record, inputs, leaves, spec, guards, params), ""
+
+
+def _argument_guards(entry: Any, params: Sequence[str]) -> Any:
+    """The part of a cache entry's guards that reads the frame's arguments ``params`` (and
+    the global state checked at the root: grad mode, autocast), without the model's own
+    attributes; None if dynamo's guard tree cannot be read."""
+    roots = [f"L[{p!r}]" for p in params]
+    prefixes = tuple(r + c for r in roots for c in (".", "["))
+
+    def keep(node: Any) -> bool:
+        source = node.get_source()
+        return source == "L" or source in roots or source.startswith(prefixes)
+
+    try:  # private API (torch._dynamo.guards): without it, keep dynamo in charge
+        return entry.guard_manager.root.clone_manager(keep)
+    except Exception:
+        return None

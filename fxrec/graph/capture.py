@@ -340,7 +340,7 @@ def _reached_from_model(ph: fx.Node, val: torch.Tensor, model: nn.Module) -> boo
     source = getattr(grapharg, "source", None)
     if source is None:
         return True
-    path = source_path(source, ["self"], cells=True)
+    path = source_path(source, [_self_name(model)], cells=True)
     if path is None:
         return False
     obj: Any = model
@@ -350,6 +350,12 @@ def _reached_from_model(ph: fx.Node, val: torch.Tensor, model: nn.Module) -> boo
     except (AttributeError, KeyError, IndexError, TypeError):
         return False
     return obj is val
+
+
+def _self_name(model: nn.Module) -> str:
+    """The name ``forward`` gives its module (``self``, by convention only)."""
+    code = getattr(type(model).forward, "__code__", None)
+    return code.co_varnames[0] if code is not None and code.co_argcount else "self"
 
 
 def _resolve(obj: Any, target: str) -> Any:

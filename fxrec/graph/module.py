@@ -19,6 +19,7 @@ import copy
 import inspect
 import itertools
 import logging
+import operator
 import types
 import warnings
 from collections import OrderedDict
@@ -365,6 +366,7 @@ class OptimizedModule(nn.Module):
             compiled, self._dynamo_backend, code, params, self.fxrec_report,
             direct=not self._guards and code is not None and not dynamic,
             fallback=_EagerRunner(self.model, self.fxrec_fused),
+            compiles=self._backend != "eager",
         )  # fmt: skip
 
     def _optimize_traced(
@@ -588,15 +590,21 @@ def _code_and_params(fn: Any, model: nn.Module) -> tuple[Any, list[str]]:
     return fn.__func__.__code__, list(sig.parameters)
 
 
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+
+
 class _DynamoRunner:
     """One input signature's dynamo capture; its graph is called directly once that is safe.
 
     The first call goes through dynamo, which compiles; :meth:`DirectCall.build` then
     decides from what was compiled whether later calls may skip dynamo (see
-    :mod:`fxrec.compile.direct`). A call in another grad mode than the first goes through
-    dynamo, which guards on it. Past dynamo's recompile limit, calls go to ``fallback``
-    (the model run eagerly through the laid-out parameters): dynamo would run the frame
-    eagerly itself, on the members, whose gradients the optimizer never sees.
+    :mod:`fxrec.compile.direct`). A call in another grad mode than the first, one whose
+    arguments dynamo's guards reject (strides, a KJT's per-key counts baked into the graph),
+    and, for graphs compiled further (``backend="inductor"``), one after a parameter's
+    ``requires_grad`` changed, go through dynamo, which guards on them and recompiles.
+    Past dynamo's recompile limit, calls go to ``fallback`` (the model run eagerly through
+    the laid-out parameters): dynamo would run the frame eagerly itself, on the members,
+    whose gradients the optimizer never sees.
     """
 
     def __init__(
@@ -608,6 +616,7 @@ class _DynamoRunner:
         report: Report,
         direct: bool,
         fallback: Any,
+        compiles: bool = False,
     ) -> None:
         self.compiled = compiled
         self.fallback = fallback
@@ -620,6 +629,9 @@ class _DynamoRunner:
         self.direct: Any = None
         self.grad_mode = True
         self.routes_checked = False
+        self.compiles = compiles
+        self.param_list: list[nn.Parameter] = []
+        self.grad_flags: list[bool] | None = None
 
     # Never traced into by an outer torch.compile (``torch.compile(fxrec.optimize(m))``):
     # dynamo would inline the model's own forward, on the parameters fxrec laid out, instead
@@ -627,7 +639,13 @@ class _DynamoRunner:
     @torch.compiler.disable
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         direct = self.direct
-        if direct is not None and not kwargs and torch.is_grad_enabled() is self.grad_mode:
+        if (
+            direct is not None
+            and not kwargs
+            and torch.is_grad_enabled() is self.grad_mode
+            and (self.grad_flags is None or self._same_grad_flags())
+            and direct.accepts(args)
+        ):
             return direct(*args)
         if not self.try_direct or kwargs or len(args) != len(self.params):
             return self._through_dynamo(args, kwargs)  # defaults left out: dynamo fills them in
@@ -639,6 +657,9 @@ class _DynamoRunner:
         from fxrec.compile.direct import DirectCall
 
         self.direct, why = DirectCall.build(self.code, new, self.params, args, result)
+        if self.compiles:  # AOTAutograd bakes in which parameters take gradients
+            self.param_list = list(self.fallback.model.parameters())
+            self.grad_flags = list(map(_REQUIRES_GRAD, self.param_list))
         for record in new:
             record.recording = False
             record.last_outputs = None
@@ -650,6 +671,9 @@ class _DynamoRunner:
         )
         self.report.note(note)
         return result
+
+    def _same_grad_flags(self) -> bool:
+        return list(map(_REQUIRES_GRAD, self.param_list)) == self.grad_flags
 
     def _through_dynamo(self, args: tuple, kwargs: dict) -> Any:
         if self.exhausted:
