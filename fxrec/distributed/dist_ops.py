@@ -46,6 +46,7 @@ import torch.fx
 
 from fxrec.distributed.comm import CommError, MissingBatch, blocked, translated
 from fxrec.sparse import KeyedJaggedTensor, KeyedTensor
+from fxrec.sparse.validation import validation_enabled
 
 __all__ = [
     "CountsHandle",
@@ -84,6 +85,10 @@ class IdsLayout:
     local_keys: tuple[str, ...]
     group_name: str
     weighted: bool = False  # the collection pools with per-id weights: they travel
+    # (feature, table rows, table name) of every key the collection reads: ids are checked
+    # against them before anything is sent (the owner would refuse a bad one after the
+    # exchange, with its peers already waiting for its pooled rows)
+    rows: tuple[tuple[str, int, str], ...] = ()
 
 
 @dataclass
@@ -259,6 +264,8 @@ def _check_input(kjt: KeyedJaggedTensor, layout: IdsLayout) -> int:
             f"ids of features {kjt.keys()[:5]} have dtype {values.dtype}; embedding ids are "
             "row numbers: pass integer ids (.long()), and per-id floats as weights."
         )
+    if layout.rows and validation_enabled():
+        _check_id_ranges(kjt, layout.rows)
     if not layout.weighted:
         return 0  # an unweighted collection ignores weights, as the unsharded one does
     if weights is None:
@@ -272,6 +279,20 @@ def _check_input(kjt: KeyedJaggedTensor, layout: IdsLayout) -> int:
             "weights must be floating point (.float())."
         )
     return int(torch.is_grad_enabled() and weights.requires_grad)
+
+
+def _check_id_ranges(kjt: KeyedJaggedTensor, rows: tuple[tuple[str, int, str], ...]) -> None:
+    """Every id of a key the collection reads inside its table (one pass over the ids)."""
+    from fxrec.nn.checks import check_id_ranges
+    from fxrec.nn.layout import Member
+
+    tables = {f: (n, t) for f, n, t in rows}
+    keys = kjt.keys()
+    members = []
+    for k in keys:  # keys the collection does not read take any id: it ignores them
+        n, table = tables.get(k, (2**62, ""))
+        members.append(Member(k, k, 0, table, 0, 0, n, 0))
+    check_id_ranges(kjt.values(), members, kjt.length_per_key())
 
 
 ABSENT = -1  # the batch size a rank announces when its batch for this exchange failed

@@ -255,6 +255,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
             tuple(local_keys[rank]),
             self._group_name,
             _is_weighted(ebc),  # not each rank's input: every rank must agree
+            tuple((f, t.num_embeddings, t.name) for t in specs for f in t.feature_names),
         )
         self._row_blocks = {k: v for k, v in row_blocks.items() if v[1] == rank}
         self._whole_rows = {t.name: t.num_embeddings for t in specs if t.name in plan.row_wise}

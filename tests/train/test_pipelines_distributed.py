@@ -256,3 +256,59 @@ def test_model_saved_while_the_pipeline_runs():
     from tests.distributed.launch import run_ranks
 
     run_ranks(2, _saves_while_training, timeout=10.0, deadline=100.0)
+
+
+def _with_bad_id(batch: Batch) -> Batch:
+    """``batch`` with one id past its table (the last id of the batch)."""
+    from fxrec.sparse import KeyedJaggedTensor
+
+    kjt = batch.sparse
+    values = kjt.values().clone()
+    values[-1] = NUM_EMB + 5
+    bad = KeyedJaggedTensor.from_lengths_sync(
+        kjt.keys(), values, kjt.lengths(), weights=kjt.weights_or_none()
+    )
+    return Batch(batch.dense, bad, batch.labels)
+
+
+def _one_rank_sends_a_bad_id(rank: int, world: int, row_wise: tuple[str, ...]) -> None:
+    """Rank 1's batch 2 holds an id past its table. The sender refuses it before any
+    exchange, so every rank skips that batch at once (the owner would refuse it only after
+    the exchange, with its peers waiting for pooled rows until the timeout) and trains on."""
+    from fxrec.train import PipelineError
+
+    n = 5
+    batches = make_batches(KEYS, n, input_type="kjt", weighted=True, seed=40 + rank)
+    fed = [(_with_bad_id(b) if rank == 1 and i == 2 else b) for i, b in enumerate(batches)]
+    model, opt = _build(row_wise)
+    events: list[tuple[int, str]] = []
+    losses: list[float] = []
+    with TrainPipelineSparseDist(model, opt) as pipe:
+        it = iter(fed)
+        while True:
+            try:
+                losses.append(float(pipe.progress(it)))
+            except StopIteration:
+                break
+            except PipelineError as exc:
+                events.append((exc.batch_index, type(exc.__cause__).__name__))
+                if rank == 1:
+                    assert "outside table" in str(exc.__cause__)
+    assert events == [(2, "ValueError" if rank == 1 else "MissingBatch")]
+    ref_model, ref_opt = _build(row_wise)
+    with TrainPipelineBase(ref_model, ref_opt) as base:
+        want = [float(base.progress(iter([b]))) for i, b in enumerate(batches) if i != 2]
+    assert losses == pytest.approx(want, rel=1e-5, abs=1e-6)
+    got, ref = params(model), params(ref_model)
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not _have_collection(), reason="needs fxrec.nn.EmbeddingBagCollection")
+@pytest.mark.parametrize("row_wise", [(), ("t2",)])
+def test_a_bad_id_on_one_rank_is_skipped_on_every_rank(row_wise: tuple[str, ...]):
+    from tests.distributed.launch import run_ranks
+
+    # a timeout far longer than the test allows for the skip: a stall would fail it
+    run_ranks(2, _one_rank_sends_a_bad_id, row_wise, timeout=60.0, deadline=40.0)
