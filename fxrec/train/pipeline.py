@@ -28,6 +28,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -217,6 +218,58 @@ class TrainPipelineBase:
 _END = object()
 
 
+def _read(
+    pipeline: weakref.ref,
+    stop: threading.Event,
+    q: queue.Queue,
+    source: Iterator[Any],
+    index: int,
+    poll_s: float,
+    threads: int | None,
+) -> None:
+    """The reader thread of :class:`TrainPipelineSparseDist`: read, prepare and copy batches
+    from ``source`` (the first one is batch ``index``) into ``q``.
+
+    It holds the pipeline weakly, and only while preparing a batch: a pipeline dropped
+    without ``close()`` is collected, which sets ``stop``.
+    """
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)  # this thread, and threads started meanwhile
+    try:
+        while not stop.is_set():
+            try:
+                item = next(source)
+            except StopIteration:
+                _put(stop, q, _END, poll_s)
+                return
+            except Exception as exc:
+                entry: Any = (index, None, exc, "reading it from the data loader")
+            except BaseException as exc:  # KeyboardInterrupt, SystemExit: raised as they are
+                _put(stop, q, (index, None, exc, "reading it from the data loader"), poll_s)
+                return  # progress() raises it, and starts reading again after it
+            else:
+                owner = pipeline()
+                if owner is None:
+                    return
+                entry = owner._entry(item, index)
+                del owner
+            _put(stop, q, entry, poll_s)
+            index += 1
+    finally:
+        if threads is not None:  # threads started later take the process's count again
+            torch.set_num_threads(before)
+
+
+def _put(stop: threading.Event, q: queue.Queue, entry: Any, poll_s: float) -> None:
+    while not stop.is_set():
+        try:
+            q.put(entry, timeout=poll_s)
+            return
+        except queue.Full:
+            continue
+
+
 class TrainPipelineSparseDist(TrainPipelineBase):
     """Like :class:`TrainPipelineBase`, with batch i+1's reading, preparation, copy and id
     all-to-all overlapping batch i's training. Same losses and parameters as the base.
@@ -271,56 +324,34 @@ class TrainPipelineSparseDist(TrainPipelineBase):
         self._roll_call = RollCall.of(self._input_dist.modules)
         self._announced = False  # the next batch's presence went out in its id-count exchange
         self._peer_ended = False  # a peer's data ended: this rank stops too
+        # A pipeline dropped without close(): its reader (which holds it weakly) stops.
+        weakref.finalize(self, self._stop.set)
 
     # -- the producer thread -------------------------------------------------------------------
-    def _produce(self, source: Iterator[Any], index: int) -> None:
-        """Read, prepare and copy batches from ``source`` (the first one is batch ``index``)."""
+    def _entry(self, item: Any, index: int) -> tuple[int, Any, BaseException | None, str]:
+        """Batch ``index`` read from the loader, prepared and copied: a queue entry."""
+        try:
+            if self._stream is not None:
+                with torch.cuda.stream(self._stream):
+                    batch = self._prepare(item, non_blocking=True)
+                    event = torch.cuda.Event()
+                    event.record(self._stream)
+                return index, (batch, event), None, ""
+            return index, self._prepare(item), None, ""
+        except Exception as exc:
+            return index, None, exc, "preparing and copying it"
+
+    def _start_reader(self, source: Iterator[Any], index: int) -> None:
         threads = self.host_threads
         if threads is None and self.device.type == "cpu":
             threads = 1
-        before = torch.get_num_threads()
-        if threads is not None:
-            torch.set_num_threads(threads)  # this thread, and threads started meanwhile
-        try:
-            self._read(source, index)
-        finally:
-            if threads is not None:  # threads started later take the process's count again
-                torch.set_num_threads(before)
-
-    def _read(self, source: Iterator[Any], index: int) -> None:
-        while not self._stop.is_set():
-            try:
-                item = next(source)
-            except StopIteration:
-                self._put(_END)
-                return
-            except Exception as exc:
-                self._put((index, None, exc, "reading it from the data loader"))
-                index += 1
-                continue
-            except BaseException as exc:  # KeyboardInterrupt, SystemExit: raised as they are
-                self._put((index, None, exc, "reading it from the data loader"))
-                return
-            try:
-                if self._stream is not None:
-                    with torch.cuda.stream(self._stream):
-                        batch = self._prepare(item, non_blocking=True)
-                        event = torch.cuda.Event()
-                        event.record(self._stream)
-                    self._put((index, (batch, event), None, ""))
-                else:
-                    self._put((index, self._prepare(item), None, ""))
-            except Exception as exc:
-                self._put((index, None, exc, "preparing and copying it"))
-            index += 1
-
-    def _put(self, entry: Any) -> None:
-        while not self._stop.is_set():
-            try:
-                self._queue.put(entry, timeout=self.poll_s)
-                return
-            except queue.Full:
-                continue
+        self._thread = threading.Thread(
+            target=_read,
+            args=(weakref.ref(self), self._stop, self._queue, source, index, self.poll_s, threads),
+            name="fxrec-pipeline-copy",
+            daemon=True,
+        )
+        self._thread.start()
 
     def _get(self) -> Any:
         while True:
@@ -352,13 +383,7 @@ class TrainPipelineSparseDist(TrainPipelineBase):
             self._input_dist.discard()  # exchanges of batches read ahead that will not run
         self._source = source
         self._exhausted = self._peer_ended = False
-        self._thread = threading.Thread(
-            target=self._produce,
-            args=(source, self._index),  # indices count every batch drawn, across epochs
-            name="fxrec-pipeline-copy",
-            daemon=True,
-        )
-        self._thread.start()
+        self._start_reader(source, self._index)  # indices count every batch drawn, across epochs
 
     def _take(self) -> tuple[int, Any, BaseException | None, str] | None:
         entry = self._get()
@@ -408,6 +433,9 @@ class TrainPipelineSparseDist(TrainPipelineBase):
         self._index = index + 1
         if exc is not None:
             if not isinstance(exc, Exception):  # KeyboardInterrupt...: as the base raises it
+                # its reader stopped there; a later progress() reads on, as the base does
+                self._thread.join(timeout=max(1.0, 20 * self.poll_s))  # type: ignore[union-attr]
+                self._start_reader(self._source, index + 1)  # type: ignore[arg-type]
                 raise exc
             self._skip(index, exc, stage)
         self._input_dist.probe(batch)

@@ -269,7 +269,8 @@ def test_background_thread_sets_its_own_op_threads_only(host_threads, want):
 
 
 class _Interrupted:
-    """Yields ``n`` batches, then raises KeyboardInterrupt (a BaseException, not an Exception)."""
+    """Yields ``n`` batches, raises KeyboardInterrupt once (a BaseException, not an
+    Exception), then yields the rest."""
 
     def __init__(self, batches: list, n: int) -> None:
         self.it, self.n = iter(batches), n
@@ -279,6 +280,7 @@ class _Interrupted:
 
     def __next__(self):  # type: ignore[no-untyped-def]
         if self.n == 0:
+            self.n = -1
             raise KeyboardInterrupt("ctrl-c in the loader")
         self.n -= 1
         return next(self.it)
@@ -287,13 +289,40 @@ class _Interrupted:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("pipeline_cls", PIPELINES)
 def test_an_interrupt_in_the_loader_is_raised_as_it_is(pipeline_cls):
+    """Raised as it is; caught, the next calls read on (the overlapping pipeline's reader
+    stopped at it: it used to report the end of the data instead)."""
+    batches = make_batches(KEYS, 4)
+    ref_losses, ref_params = reference(batches)
     model, opt = fresh(KEYS)
     with pipeline_cls(model, opt) as pipe:
-        it = _Interrupted(make_batches(KEYS, 4), 2)
-        pipe.progress(it)
-        pipe.progress(it)
+        it = _Interrupted(batches, 2)
+        losses = [float(pipe.progress(it)), float(pipe.progress(it))]
         with pytest.raises(KeyboardInterrupt, match="ctrl-c"):
             pipe.progress(it)
+        losses += [float(pipe.progress(it)), float(pipe.progress(it))]
+        with pytest.raises(StopIteration):
+            pipe.progress(it)
+    assert_same(losses, params(model), ref_losses, ref_params)
+
+
+@pytest.mark.timeout(30)
+def test_a_pipeline_dropped_without_close_is_collected_and_its_reader_stops():
+    import gc
+    import weakref
+
+    def endless():
+        while True:
+            yield from make_batches(KEYS, 2)
+
+    model, opt = fresh(KEYS)
+    pipe = TrainPipelineSparseDist(model, opt, poll_s=0.01)
+    pipe.progress(endless())
+    thread, ref = pipe._thread, weakref.ref(pipe)
+    del pipe
+    gc.collect()
+    assert ref() is None
+    thread.join(timeout=5.0)
+    assert not thread.is_alive()
 
 
 @pytest.mark.timeout(60)
