@@ -74,7 +74,13 @@ _step_hook: list[RemovableHandle] = []
 
 
 def _watch(member: torch.Tensor, flat: torch.Tensor) -> None:
-    _LAID_OUT[id(member)] = (weakref.ref(member), weakref.ref(flat))
+    key = id(member)
+
+    def forget(ref: weakref.ref) -> None:  # the member died: its id may be reused
+        if _LAID_OUT.get(key, (None,))[0] is ref:
+            del _LAID_OUT[key]
+
+    _LAID_OUT[key] = (weakref.ref(member, forget), weakref.ref(flat))
     if not _step_hook:
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
