@@ -34,7 +34,7 @@ from fxrec.graph import meta
 from fxrec.graph.capture import CaptureError, capture_symbolic
 from fxrec.graph.effects import comm_kind, has_hooks
 from fxrec.graph.optimize_graph import RuleSpec, optimize_graph, resolve_rules
-from fxrec.graph.params import FusedParameters, ParamStore
+from fxrec.graph.params import FusedParameters, ParamStore, laid_out
 from fxrec.graph.report import Report
 
 logger = logging.getLogger(__name__)
@@ -973,6 +973,15 @@ def optimize(
     opt = OptimizedModule(
         model, rules, keep_params=keep_params, check=check, backend=backend, guards=guards
     )
+    again = laid_out(list(model.parameters()))
+    if again:
+        note = (
+            f"{again} parameters of this model are laid out already, by another "
+            "fxrec.optimize of it: laying them out again leaves that optimized module correct "
+            "but slower; keep one optimized module per model"
+        )
+        logger.warning("fxrec: %s", note)
+        opt.fxrec_report.note(note)
     if example_inputs is not None:
         opt._build(opt._key(example_inputs, {}), example_inputs, {}, example=True)
         opt.fxrec_fused.freeze()  # the optimizer is built on these layouts

@@ -87,6 +87,15 @@ def _watch(member: torch.Tensor, flat: torch.Tensor) -> None:
         _step_hook.append(register_optimizer_step_pre_hook(_refuse_stale_optimizer))
 
 
+def laid_out(tensors: Sequence[torch.Tensor]) -> int:
+    """How many of ``tensors`` are members laid out in a live flat parameter."""
+    count = 0
+    for t in tensors:
+        entry = _LAID_OUT.get(id(t))
+        count += entry is not None and entry[0]() is t and entry[1]() is not None
+    return count
+
+
 def _refuse_stale_optimizer(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
     """Before any optimizer's step: raise if it holds a laid-out member that got no gradient
     while its flat parameter did (the backward went through the flat parameters), and not

@@ -251,6 +251,21 @@ def test_unknown_rule_name_is_a_clear_error() -> None:
         fxrec.optimize(Scales(), rules=["nope"])
 
 
+def test_optimizing_a_model_twice_is_reported() -> None:
+    from tests.graph.test_dense_outputs import Towers
+
+    model = Towers([4, 4, 4])
+    first = fxrec.optimize(model, (torch.randn(8, 16),))
+    assert first.fxrec_fused.member_ids()
+    assert not any("laid out already" in n for n in first.fxrec_report.notes)
+    second = fxrec.optimize(model, (torch.randn(8, 16),))
+    assert any("laid out already" in n for n in second.fxrec_report.notes)
+    x = torch.randn(8, 16)
+    for opt in (first, second):  # both still compute what the model computes
+        for k, v in model(x).items():
+            torch.testing.assert_close(opt(x)[k], v)
+
+
 def test_bad_model_or_example_inputs_are_clear_errors() -> None:
     with pytest.raises(TypeError, match=r"takes an nn\.Module, got function"):
         fxrec.optimize(lambda x: x, (torch.randn(2),))  # type: ignore[arg-type]
