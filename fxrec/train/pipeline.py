@@ -49,12 +49,26 @@ class PipelineError(RuntimeError):
     """A batch failed; ``batch_index`` says which, ``__cause__`` says why."""
 
     def __init__(self, batch_index: int, stage: str, cause: BaseException) -> None:
+        then = (
+            "The ranks could not complete a collective, so their process group is likely "
+            "unusable: close() the pipeline and restart the job (torchrun --max-restarts)."
+            if _comm_failed(cause)
+            else "The batch was skipped; call progress() again to continue, or close() to stop."
+        )
         super().__init__(
-            f"batch {batch_index} failed while {stage}: {type(cause).__name__}: {cause}. "
-            "The batch was skipped; call progress() again to continue, or close() to stop."
+            f"batch {batch_index} failed while {stage}: {type(cause).__name__}: {cause}. {then}"
         )
         self.batch_index = batch_index
         self.stage = stage
+
+
+def _comm_failed(cause: BaseException) -> bool:
+    """A collective timed out or broke (not: the peers agreed to skip a batch)."""
+    try:
+        from fxrec.distributed.comm import CommError, MissingBatch
+    except ImportError:  # torch.distributed unavailable: no collectives
+        return False
+    return isinstance(cause, CommError) and not isinstance(cause, MissingBatch)
 
 
 @dataclass
@@ -461,7 +475,11 @@ class TrainPipelineSparseDist(TrainPipelineBase):
         rc = self._roll_call
         assert rc is not None
         mine = rc.ENDED if current is None else rc.FAILED if current[2] is not None else rc.HAVE
-        states = rc.call(mine)
+        try:
+            states = rc.call(mine)
+        except RuntimeError as err:  # CommError: a peer died or timed out in an earlier step
+            index = self._index if current is None else current[0]
+            raise PipelineError(index, "agreeing on it with the other ranks", err) from err
         missing = [r for r, st in enumerate(states) if st != rc.HAVE]
         if mine != rc.HAVE or not missing:
             return

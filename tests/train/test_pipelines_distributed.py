@@ -312,3 +312,41 @@ def test_a_bad_id_on_one_rank_is_skipped_on_every_rank(row_wise: tuple[str, ...]
 
     # a timeout far longer than the test allows for the skip: a stall would fail it
     run_ranks(2, _one_rank_sends_a_bad_id, row_wise, timeout=60.0, deadline=40.0)
+
+
+def _one_rank_fails_in_forward(rank: int, world: int) -> None:
+    """Rank 1's forward fails on batch 2 (a dense batch of the wrong width) after the ids were
+    exchanged: rank 0 waits for pooled rows until the group's timeout. Every later failure
+    is a PipelineError too (no bare CommError from the roll call), saying that the group is
+    likely unusable."""
+    from fxrec.distributed import CommError
+    from fxrec.train import PipelineError
+
+    batches = make_batches(KEYS, 5, input_type="kjt", weighted=True, seed=50 + rank)
+    if rank == 1:
+        batches[2] = batches[2].replace(dense=batches[2].dense[:, :2])
+    model, opt = _build()
+    errors: list[PipelineError] = []
+    with TrainPipelineSparseDist(model, opt) as pipe:
+        it = iter(batches)
+        for _ in range(4):
+            try:
+                pipe.progress(it)
+            except PipelineError as exc:
+                errors.append(exc)
+            except StopIteration:
+                break
+    assert errors, "the failure reached no rank"
+    if rank == 0:
+        assert isinstance(errors[0].__cause__, CommError)
+    comm = [e for e in errors if isinstance(e.__cause__, CommError)]
+    assert all("likely unusable" in str(e) for e in comm)
+    assert all("call progress() again" in str(e) for e in errors if e not in comm)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not _have_collection(), reason="needs fxrec.nn.EmbeddingBagCollection")
+def test_a_forward_failing_on_one_rank_raises_pipeline_errors_on_every_rank():
+    from tests.distributed.launch import run_ranks
+
+    run_ranks(2, _one_rank_fails_in_forward, timeout=3.0, deadline=90.0)
