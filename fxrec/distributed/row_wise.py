@@ -31,7 +31,6 @@ import torch.fx
 from fxrec.distributed.dist_ops import key_index
 from fxrec.distributed.plan import row_bounds
 from fxrec.sparse import KeyedJaggedTensor, KeyedTensor
-from fxrec.sparse import validation as V
 
 __all__ = [
     "SEP",
@@ -92,7 +91,8 @@ def split_rows(kjt: KeyedJaggedTensor, shards: RowShards) -> KeyedJaggedTensor:
 
     Other keys are kept as they are (first, in their order). Shard ``r`` of feature ``f``
     holds, for every row of the batch, the ids of the bag that fall in row block ``r``,
-    shifted to start at 0, in their original order.
+    shifted to start at 0, in their original order. Ids must lie in their tables (the
+    collection's id-count request checks them first, for every feature).
     """
     index = key_index(kjt, shards.features)
     batch = kjt.stride()
@@ -120,13 +120,6 @@ def split_rows(kjt: KeyedJaggedTensor, shards: RowShards) -> KeyedJaggedTensor:
         i = index[f]
         ids = values[starts[i] : starts[i + 1]]
         bag = lengths[i * batch : (i + 1) * batch]
-        if V.validation_enabled() and ids.numel():
-            lo, hi = (int(x) for x in torch.aminmax(ids))
-            if lo < 0 or hi >= bounds[-1]:
-                raise ValueError(
-                    f"feature {f!r}: ids must lie in [0, {bounds[-1]}) (its table's rows); "
-                    f"got ids from {lo} to {hi}."
-                )
         edges = torch.tensor(bounds[1:-1], dtype=ids.dtype, device=ids.device)
         shard = torch.bucketize(ids, edges, right=True)  # the rank holding each id's row
         row = torch.repeat_interleave(rows_of, bag.long(), output_size=ids.numel())

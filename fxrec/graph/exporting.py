@@ -39,13 +39,7 @@ def export(
 
     if not isinstance(model, OptimizedModule):
         return torch.export.export(model, tuple(args), dict(kwargs or {}), **export_kwargs)
-    call_args, call_kwargs = tuple(args), dict(kwargs or {})
-    if call_kwargs:
-        call_args, call_kwargs = model._bind(call_args, call_kwargs)
-    key = model._key(call_args, call_kwargs)
-    runner = model._runners.get(key)
-    if runner is None:
-        runner = model._build(key, call_args, call_kwargs)
+    runner, call_args, call_kwargs = model._runner(tuple(args), dict(kwargs or {}))
     if not isinstance(runner, fx.GraphModule):
         if model._backend != "eager":
             why = f"it was optimized with backend={model._backend!r}: optimize it with the default"

@@ -136,8 +136,6 @@ class OptimizedModule(nn.Module):
 
     # -- running -----------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if kwargs:
-            args, kwargs = self._bind(args, kwargs)
         if torch.compiler.is_exporting() and self.fxrec_fused.member_ids():
             raise RuntimeError(
                 "fxrec: torch.export.export cannot export an optimized module whose parameters "
@@ -145,12 +143,7 @@ class OptimizedModule(nn.Module):
                 "with fxrec.export(opt, args, dynamic_shapes=...), which takes the same "
                 "arguments as torch.export.export."
             )
-        if _registered[0] != self._params_seen:
-            self._check_params()
-        key = self._key(args, kwargs)
-        runner = self._runners.get(key)
-        if runner is None:
-            runner = self._build(key, args, kwargs)
+        runner, args, kwargs = self._runner(args, kwargs)
         self.fxrec_fused.sync_requires_grad()
         try:
             out = runner(*args, **kwargs)
@@ -160,6 +153,18 @@ class OptimizedModule(nn.Module):
             raise
         self.fxrec_fused.freeze()  # the first call's layouts are the ones the optimizer holds
         return out
+
+    def _runner(self, args: tuple, kwargs: dict) -> tuple[Any, tuple, dict]:
+        """What runs these arguments (built on first sight), and the arguments as bound."""
+        if kwargs:
+            args, kwargs = self._bind(args, kwargs)
+        if _registered[0] != self._params_seen:
+            self._check_params()
+        key = self._key(args, kwargs)
+        runner = self._runners.get(key)
+        if runner is None:
+            runner = self._build(key, args, kwargs)
+        return runner, args, kwargs
 
     def _check_params(self) -> None:
         """Graphs bake the model's parameter objects in: rebuild them after one was replaced

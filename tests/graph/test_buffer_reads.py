@@ -68,6 +68,16 @@ def _check(opt: nn.Module, ref: nn.Module) -> None:
     ref.zero_grad()
 
 
+def _optimized(cls: type[nn.Module], capture: str) -> tuple[nn.Module, nn.Module, nn.Module]:
+    """(model, a copy made first, its optimized module), captured by ``capture``."""
+    torch.manual_seed(0)
+    model = cls()
+    ref = copy.deepcopy(model)
+    opt = fxrec.optimize(model, (torch.randn(5, 8),))
+    assert opt.fxrec_report.capture == capture
+    return model, ref, opt
+
+
 def test_a_computation_on_buffers_alone_is_a_node_not_a_constant() -> None:
     gm = capture_symbolic(ScaledByBuffer())
     assert [n.target for n in gm.graph.nodes if n.op == "get_attr"] == ["scale"]
@@ -75,11 +85,7 @@ def test_a_computation_on_buffers_alone_is_a_node_not_a_constant() -> None:
 
 
 def test_buffers_changed_or_loaded_after_optimize_are_read() -> None:
-    torch.manual_seed(0)
-    model = ScaledByBuffer()
-    ref = copy.deepcopy(model)
-    opt = fxrec.optimize(model, (torch.randn(5, 8),))
-    assert opt.fxrec_report.capture == "symbolic_trace"
+    model, ref, opt = _optimized(ScaledByBuffer, "symbolic_trace")
     _check(opt, ref)
     for m in (model, ref):
         m.scale.fill_(-2.0)
@@ -92,11 +98,7 @@ def test_buffers_changed_or_loaded_after_optimize_are_read() -> None:
 
 
 def test_a_buffer_written_in_forward_is_written_on_every_call() -> None:
-    torch.manual_seed(0)
-    model = RunningMean()
-    ref = copy.deepcopy(model)
-    opt = fxrec.optimize(model, (torch.randn(5, 8),))
-    assert opt.fxrec_report.capture == "symbolic_trace"
+    model, ref, opt = _optimized(RunningMean, "symbolic_trace")
     assert not model.seen.any()  # capturing did not write it
     for _ in range(3):
         _check(opt, ref)
@@ -104,11 +106,7 @@ def test_a_buffer_written_in_forward_is_written_on_every_call() -> None:
 
 
 def test_a_buffer_steering_control_flow_is_read_on_every_call() -> None:
-    torch.manual_seed(0)
-    model = Switched()
-    ref = copy.deepcopy(model)
-    opt = fxrec.optimize(model, (torch.randn(5, 8),))
-    assert opt.fxrec_report.capture == "dynamo"
+    model, ref, opt = _optimized(Switched, "dynamo")
     _check(opt, ref)
     for m in (model, ref):
         m.on.fill_(False)

@@ -163,6 +163,40 @@ class _Loader:
         return self.batches[i]
 
 
+def _drive(pipe, it, steps: int | None = None):  # type: ignore[no-untyped-def]
+    """Call ``pipe.progress(it)`` until the data ends (or ``steps`` calls): the losses, and
+    the PipelineErrors raised on the way."""
+    from fxrec.train import PipelineError
+
+    losses: list[float] = []
+    errors: list[PipelineError] = []
+    calls = 0
+    while steps is None or calls < steps:
+        calls += 1
+        try:
+            losses.append(float(pipe.progress(it)))
+        except StopIteration:
+            break
+        except PipelineError as exc:
+            errors.append(exc)
+    return losses, errors
+
+
+def _events(errors) -> list[tuple[int, str]]:  # type: ignore[no-untyped-def]
+    return [(e.batch_index, type(e.__cause__).__name__) for e in errors]
+
+
+def _assert_trains_like_base(model, losses, run, opt, ref_model, kept) -> None:  # type: ignore[no-untyped-def]
+    """``losses`` and ``model``'s parameters are the base pipeline's on ``kept`` alone
+    (``run``, ``opt``, ``ref_model``: a fresh copy of what was trained)."""
+    with TrainPipelineBase(run, opt) as base:
+        want = [float(base.progress(iter([b]))) for b in kept]
+    assert losses == pytest.approx(want, rel=1e-5, abs=1e-6)
+    got, ref = params(model), params(ref_model)
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-5, atol=1e-6)
+
+
 def _one_rank_loses_a_batch(
     rank: int, world: int, fail: int, optimized: bool, reorder: bool
 ) -> None:
@@ -174,7 +208,6 @@ def _one_rank_loses_a_batch(
     on."""
     import fxrec
     from fxrec.distributed import CommError
-    from fxrec.train import PipelineError
 
     n = 6
     batches = make_batches(KEYS, n, input_type="kjt", weighted=True, seed=20 + rank)
@@ -187,31 +220,19 @@ def _one_rank_loses_a_batch(
         return model, run, torch.optim.SGD(run.parameters(), lr=0.1)
 
     model, run, opt = build()
-    events: list[tuple[int, str]] = []
-    losses: list[float] = []
     with TrainPipelineSparseDist(run, opt) as pipe:
         it = _Loader(batches, fail if rank == 1 else None, n - 1 if rank == 1 else n)
-        while True:
-            try:
-                losses.append(float(pipe.progress(it)))
-            except StopIteration:
-                break
-            except PipelineError as exc:
-                events.append((exc.batch_index, type(exc.__cause__).__name__))
-                if rank == 0:
-                    assert isinstance(exc.__cause__, CommError)
-                    assert "rank(s) [1] have no batch" in str(exc.__cause__)
+        losses, errors = _drive(pipe, it)
         assert len(pipe._input_dist.enabled) == (0 if reorder else 1)  # ids sent early or not
+    if rank == 0:
+        for exc in errors:
+            assert isinstance(exc.__cause__, CommError)
+            assert "rank(s) [1] have no batch" in str(exc.__cause__)
     expected = [(fail, "OSError")] if rank == 1 else [(fail, "MissingBatch"), (5, "MissingBatch")]
-    assert events == expected
+    assert _events(errors) == expected
     ref_model, ref_run, ref_opt = build()
     kept = [batches[i] for i in range(n - 1) if i != fail]
-    with TrainPipelineBase(ref_run, ref_opt) as base:
-        want = [float(base.progress(iter([b]))) for b in kept]
-    assert losses == pytest.approx(want, rel=1e-5, abs=1e-6)
-    got, ref = params(model), params(ref_model)
-    for k in ref:
-        torch.testing.assert_close(got[k], ref[k], rtol=1e-5, atol=1e-6)
+    _assert_trains_like_base(model, losses, ref_run, ref_opt, ref_model, kept)
 
 
 @pytest.mark.timeout(120)
@@ -275,33 +296,18 @@ def _one_rank_sends_a_bad_id(rank: int, world: int, row_wise: tuple[str, ...]) -
     """Rank 1's batch 2 holds an id past its table. The sender refuses it before any
     exchange, so every rank skips that batch at once (the owner would refuse it only after
     the exchange, with its peers waiting for pooled rows until the timeout) and trains on."""
-    from fxrec.train import PipelineError
-
     n = 5
     batches = make_batches(KEYS, n, input_type="kjt", weighted=True, seed=40 + rank)
     fed = [(_with_bad_id(b) if rank == 1 and i == 2 else b) for i, b in enumerate(batches)]
     model, opt = _build(row_wise)
-    events: list[tuple[int, str]] = []
-    losses: list[float] = []
     with TrainPipelineSparseDist(model, opt) as pipe:
-        it = iter(fed)
-        while True:
-            try:
-                losses.append(float(pipe.progress(it)))
-            except StopIteration:
-                break
-            except PipelineError as exc:
-                events.append((exc.batch_index, type(exc.__cause__).__name__))
-                if rank == 1:
-                    assert "outside table" in str(exc.__cause__)
-    assert events == [(2, "ValueError" if rank == 1 else "MissingBatch")]
+        losses, errors = _drive(pipe, iter(fed))
+    if rank == 1:
+        assert all("outside table" in str(e.__cause__) for e in errors)
+    assert _events(errors) == [(2, "ValueError" if rank == 1 else "MissingBatch")]
     ref_model, ref_opt = _build(row_wise)
-    with TrainPipelineBase(ref_model, ref_opt) as base:
-        want = [float(base.progress(iter([b]))) for i, b in enumerate(batches) if i != 2]
-    assert losses == pytest.approx(want, rel=1e-5, abs=1e-6)
-    got, ref = params(model), params(ref_model)
-    for k in ref:
-        torch.testing.assert_close(got[k], ref[k], rtol=1e-5, atol=1e-6)
+    kept = [b for i, b in enumerate(batches) if i != 2]
+    _assert_trains_like_base(model, losses, ref_model, ref_opt, ref_model, kept)
 
 
 @pytest.mark.timeout(120)
@@ -320,22 +326,13 @@ def _one_rank_fails_in_forward(rank: int, world: int) -> None:
     is a PipelineError too (no bare CommError from the roll call), saying that the group is
     likely unusable."""
     from fxrec.distributed import CommError
-    from fxrec.train import PipelineError
 
     batches = make_batches(KEYS, 5, input_type="kjt", weighted=True, seed=50 + rank)
     if rank == 1:
         batches[2] = batches[2].replace(dense=batches[2].dense[:, :2])
     model, opt = _build()
-    errors: list[PipelineError] = []
     with TrainPipelineSparseDist(model, opt) as pipe:
-        it = iter(batches)
-        for _ in range(4):
-            try:
-                pipe.progress(it)
-            except PipelineError as exc:
-                errors.append(exc)
-            except StopIteration:
-                break
+        _, errors = _drive(pipe, iter(batches), steps=4)
     assert errors, "the failure reached no rank"
     if rank == 0:
         assert isinstance(errors[0].__cause__, CommError)
