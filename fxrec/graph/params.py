@@ -49,8 +49,30 @@ class _Member:
 def _member_slice(flat: torch.Tensor, how: str, m: _Member) -> torch.Tensor:
     """``m``'s part of ``flat`` (or of its gradient), as a view."""
     if how == "stack":
-        return flat[m.index]
+        piece = flat[m.index]
+        if piece.is_contiguous() and piece.stride() != _dense_strides(piece.shape):
+            # a flat restrided by ``_grad_strides``: members keep the strides they were made with
+            piece = piece.as_strided(piece.shape, _dense_strides(piece.shape))
+        return piece
     return flat.narrow(0, m.offset, m.tensor.shape[0])
+
+
+def _dense_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _grad_strides(flat: torch.Tensor) -> torch.Tensor:
+    """``flat`` with the strides its gradient comes back with, where a size-1 dim leaves a
+    choice. A batched Linear's ``(N, 1, in)`` weight (single-output heads) gets its gradient
+    through a transpose, with stride 1 on the size-1 dim: DDP compares strides exactly and
+    would warn that the gradient breaks its bucket's layout. The memory is the same."""
+    if flat.dim() != 3 or flat.shape[1] != 1 or not flat.is_contiguous():
+        return flat
+    return flat.as_strided(flat.shape, (flat.stride(0), 1, flat.stride(2)))
 
 
 @dataclass
@@ -375,6 +397,7 @@ class FusedParameters(nn.Module):
         name = f"{how}{len(self._members)}"
         with torch.no_grad():
             data = torch.stack(list(tensors)) if how == "stack" else torch.cat(list(tensors))
+        data = _grad_strides(data)
         if all(isinstance(t, nn.Parameter) for t in tensors):
             data = nn.Parameter(data, requires_grad=tensors[0].requires_grad)
         self._install(name, how, data, tensors)

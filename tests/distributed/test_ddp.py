@@ -4,6 +4,7 @@ the members they hold are left alone, and training matches DDP over the original
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -31,33 +32,59 @@ class Towers(nn.Module):
         return self.head(torch.cat([n(p).tanh() for n, p in zip(self.norms, parts)], 1))
 
 
-def _same_training(rank: int, world: int) -> None:
+class Heads(nn.Module):
+    """Single-output heads on their own slices: one batched Linear over an (N, 1, in) flat
+    weight, whose gradient comes back through a transpose."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.heads = nn.ModuleList(nn.Linear(D, 1) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        parts = torch.split(x, D, 1)
+        return torch.cat([h(p.relu()) for h, p in zip(self.heads, parts)], 1)
+
+
+def _same_training(rank: int, world: int, build: type[nn.Module], rule: str, members: set[str]) -> None:
     torch.manual_seed(0)  # the same model on every rank
-    model = Towers()
+    model = build()
     ref = copy.deepcopy(model)
     torch.manual_seed(100 + rank)  # each rank its own data
     xs = [torch.randn(8, 4 * D) for _ in range(3)]
     opt = fxrec.optimize(model, (xs[0],))
-    assert opt.fxrec_report.count("parallel_layer_norm") == 1
+    assert opt.fxrec_report.count(rule) == 1
     runs = []
-    for module in (ref, opt):
-        ddp = DDP(module)  # find_unused_parameters=False: every synced parameter gets a grad
-        sgd = torch.optim.SGD(ddp.parameters(), lr=0.1)
-        for x in xs:
-            sgd.zero_grad()
-            ddp(x).pow(2).mean().backward()
-            sgd.step()
-        runs.append(ddp)
-    members = {f"model.norms.{i}.{w}" for i in range(4) for w in ("weight", "bias")}
-    assert set(runs[1].parameters_to_ignore) == members  # synced through the flat ones
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for module in (ref, opt):
+            ddp = DDP(module)  # find_unused_parameters=False: every synced parameter gets a grad
+            sgd = torch.optim.SGD(ddp.parameters(), lr=0.1)
+            for x in xs:
+                sgd.zero_grad()
+                ddp(x).pow(2).mean().backward()
+                sgd.step()
+            runs.append(ddp)
+    assert not [w for w in seen if "strides" in str(w.message)]  # gradients fit DDP's buckets
+    assert set(runs[1].parameters_to_ignore) == {f"model.{m}" for m in members}
     want = ref.state_dict()
     for k, v in opt.state_dict().items():
         torch.testing.assert_close(v, want[k], rtol=1e-5, atol=1e-6)
 
 
+_NORMS = {f"norms.{i}.{w}" for i in range(4) for w in ("weight", "bias")}
+_HEADS = {f"heads.{i}.{w}" for i in range(4) for w in ("weight", "bias")}
+
+
 @pytest.mark.timeout(120)
-def test_ddp_over_an_optimized_module_trains_like_ddp_over_the_model() -> None:
-    run_ranks(2, _same_training, timeout=30.0, deadline=100.0)
+@pytest.mark.parametrize(
+    "build, rule, members",
+    [(Towers, "parallel_layer_norm", _NORMS), (Heads, "parallel_linear_batched", _HEADS)],
+    ids=["norms", "heads"],
+)
+def test_ddp_over_an_optimized_module_trains_like_ddp_over_the_model(
+    build: type[nn.Module], rule: str, members: set[str]
+) -> None:
+    run_ranks(2, _same_training, build, rule, members, timeout=30.0, deadline=100.0)
 
 
 class ShardedRanker(nn.Module):
