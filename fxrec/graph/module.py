@@ -195,6 +195,7 @@ class OptimizedModule(nn.Module):
             _signature(args),
             _signature(kwargs) if kwargs else None,
             _autocast_state(),
+            torch.is_grad_enabled(),
         )
 
     def _bind(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -267,14 +268,18 @@ class OptimizedModule(nn.Module):
             if len(self._runners) < MAX_CACHED_SIGNATURES:
                 self._runners[key] = runner
             return runner
-        if mode not in self._traced:
+        # A trace follows the grad mode and autocast regions it ran in: a `with no_grad()`
+        # block, or a branch on `torch.is_grad_enabled()`, leaves nothing in a trace made
+        # where it changes nothing. So each mix has its own trace, as it has its own graphs.
+        modes = (mode, key[3], key[4])
+        if modes not in self._traced:
             try:
-                self._traced[mode] = capture_symbolic(self.model)
+                self._traced[modes] = capture_symbolic(self.model)
             except CaptureError as exc:
                 logger.info("fxrec: %s; capturing with dynamo instead", exc)
                 self.fxrec_report.notes.append(str(exc)[:200])
-                self._traced[mode] = None
-        traced = self._traced[mode]
+                self._traced[modes] = None
+        traced = self._traced[modes]
         runner = None
         if traced is not None:
             try:
