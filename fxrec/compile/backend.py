@@ -24,7 +24,7 @@ What this guarantees:
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
@@ -163,6 +163,7 @@ def compile_backend(
     model: nn.Module | None = None,
     owner: FusedParameters | None = None,
     report: Report | None = None,
+    assigned: Collection[str] = (),
 ) -> Backend:
     """A ``torch.compile`` backend running fxrec's rules before ``inner``.
 
@@ -170,7 +171,8 @@ def compile_backend(
     ``compile_backend("aot_eager")`` to check a rewrite without Inductor's C++ build.
     ``rules`` picks rules by name, class or instance (default: every registered rule).
     ``fxrec.optimize`` passes ``model`` and ``owner`` so that parameters become ``get_attr``
-    nodes and are laid out once. The backend's ``report`` attribute accumulates what each
+    nodes and are laid out once, except the buffers named in ``assigned``, which forward
+    reassigns (each call reads the tensor the last one assigned). The backend's ``report`` attribute accumulates what each
     graph got (one graph per graph break, per recompile), its ``graphs`` attribute a
     :class:`~fxrec.compile.direct.GraphRecord` of each graph whose parameters were lifted,
     its ``communicates`` attribute whether any graph holds a collective, its ``draws`` whether
@@ -189,7 +191,7 @@ def compile_backend(
             backend.draws = True  # type: ignore[attr-defined]
         if model is not None and owner is not None:
             sources = graph_sources(gm)
-            gm, keep = lift_params_to_attrs(gm, example_inputs, model)
+            gm, keep = lift_params_to_attrs(gm, example_inputs, model, assigned)
         device = next((t.device.type for t in example_inputs if isinstance(t, torch.Tensor)), "cpu")
         optimize_graph(
             gm,

@@ -19,7 +19,7 @@ import inspect
 import logging
 import operator
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -41,7 +41,12 @@ __all__ = [
 
 
 class CaptureError(RuntimeError):
-    """Raised when a capture method cannot produce a single graph for the model."""
+    """Raised when a capture method cannot produce a single graph for the model.
+
+    ``assigned``: the buffers forward assigns (``self.n = self.n + 1``), by name.
+    """
+
+    assigned: tuple[str, ...] = ()
 
 
 class FxrecTracer(fx.Tracer):
@@ -213,10 +218,12 @@ def capture_symbolic(model: nn.Module) -> fx.GraphModule:
     finally:
         written = _restore_written(saved)
     if written:
-        raise CaptureError(
-            f"symbolic tracing skipped: forward assigns buffer {written!r} (``self.n += 1``, "
+        error = CaptureError(
+            f"symbolic tracing skipped: forward assigns buffer {written[0]!r} (``self.n += 1``, "
             "``self.n = t``), which a graph does not record"
         )
+        error.assigned = tuple(written)
+        raise error
     return gm
 
 
@@ -230,20 +237,22 @@ def _buffer_state(model: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor, 
     ]
 
 
-def _restore_written(saved: list[tuple[nn.Module, str, torch.Tensor, int, torch.Tensor]]) -> str:
-    """Put back every buffer a trace wrote or reassigned; the first one's name ("" if none).
+def _restore_written(
+    saved: list[tuple[nn.Module, str, torch.Tensor, int, torch.Tensor]],
+) -> list[str]:
+    """Put back every buffer a trace wrote or reassigned; their names.
 
     Buffers are proxies while tracing, so ``self.n.add_(1)`` is a node of the graph; but
     ``self.n += 1`` and ``self.n = t`` also assign the attribute (to a proxy), which the
     graph does not record, and a buffer reached around ``getattr`` (``self._buffers``) is
     a plain tensor that the trace would write once.
     """
-    written = ""
+    written = []
     for m, name, b, version, copy in saved:
         n = name.rpartition(".")[2]
         if m._buffers.get(n) is b and b._version == version:
             continue
-        written = written or name
+        written.append(name)
         m._buffers[n] = b
         with torch.no_grad():
             b.copy_(copy)
@@ -274,12 +283,17 @@ def param_names(model: nn.Module) -> dict[int, str]:
 
 
 def lift_params_to_attrs(
-    gm: fx.GraphModule, example_inputs: Sequence[Any], model: nn.Module
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    model: nn.Module,
+    assigned: Collection[str] = (),
 ) -> tuple[fx.GraphModule, list[int]]:
     """Replace graph inputs that are ``model``'s parameters/buffers by ``get_attr`` nodes.
 
-    Returns the new graph module (whose attributes are the model's own tensors) and the
-    positions of the inputs that remain real inputs.
+    Buffers named in ``assigned`` (forward reassigns them) stay inputs: an attribute would
+    hold the tensor the graph was compiled with, while each call reads the one the last
+    call assigned. Returns the new graph module (whose attributes are the model's own
+    tensors) and the positions of the inputs that remain real inputs.
     """
     names = param_names(model)
     graph = fx.Graph()  # a copy: dynamo still reads the graph it handed over
@@ -292,7 +306,7 @@ def lift_params_to_attrs(
     first = next((n for n in graph.nodes if n.op != "placeholder"), None)
     for i, (ph, val) in enumerate(zip(placeholders, example_inputs)):
         qual = names.get(id(val)) if isinstance(val, torch.Tensor) else None
-        if qual is None or not _reached_from_model(ph, val, model):
+        if qual is None or qual in assigned or not _reached_from_model(ph, val, model):
             keep.append(i)
             continue
         with graph.inserting_before(first):

@@ -126,6 +126,7 @@ class OptimizedModule(nn.Module):
         self._communicates: set[Any] = set()
         self._overflow: dict[Any, Any] = {}  # mode -> the capture past the signature cache
         self._dynamo_backend: Any = None
+        self._assigned: set[str] = set()  # buffers forward reassigns: dynamo reads them per call
         self._submodules = list(model.modules())
         self._params_seen = _count_registrations()
         self._params = dict(model.named_parameters(remove_duplicate=False))
@@ -278,6 +279,7 @@ class OptimizedModule(nn.Module):
             except CaptureError as exc:
                 logger.info("fxrec: %s; capturing with dynamo instead", exc)
                 self.fxrec_report.notes.append(str(exc)[:200])
+                self._assigned.update(exc.assigned)
                 self._traced[modes] = None
         traced = self._traced[modes]
         runner = None
@@ -324,7 +326,7 @@ class OptimizedModule(nn.Module):
             return runner
         if not example and any(has_hooks(m) for m in self._submodules):
             return runner
-        with _preserved_state(self.model), torch.no_grad():
+        with _preserved_state(self.model, (args, kwargs)), torch.no_grad():
             reference = self.model(*args, **kwargs)
         grad = torch.is_grad_enabled()  # the mode training will call it in: one compile
         if _same_outputs(self.model, runner, args, reference, grad, kwargs):
@@ -362,6 +364,7 @@ class OptimizedModule(nn.Module):
                 model=self.model,
                 owner=self._owner(),
                 report=self.fxrec_report,
+                assigned=self._assigned,
             )
             self.fxrec_report.capture = "dynamo"
         fn = _own_code(self.model)
@@ -388,7 +391,7 @@ class OptimizedModule(nn.Module):
         gm = fx.GraphModule(traced, graph, traced.__class__.__name__)
         if any(comm_kind(n) for n in gm.graph.nodes):
             self._communicates.add(mode)
-        with _preserved_state(self.model), _hooks_silenced(self.model):
+        with _preserved_state(self.model, args), _hooks_silenced(self.model):
             try:
                 reference = _run_annotating(gm, args)
             except Exception as exc:
@@ -715,7 +718,7 @@ class _DynamoRunner:
         members = self.fallback.owner.member_ids()
         if not members:
             return self.compiled(*args, **kwargs)
-        with _preserved_state(self.fallback.model) as state:  # undone unless kept
+        with _preserved_state(self.fallback.model, (args, kwargs)) as state:  # undone unless kept
             result = self.compiled(*args, **kwargs)
             if not _reaches_leaves(result, members):
                 state.keep()
@@ -805,7 +808,7 @@ def _raise_if_model_fails(
 ) -> None:
     """Raise the model's own error for inputs it rejects, rather than a graph's."""
     try:
-        with _preserved_state(model), torch.no_grad():
+        with _preserved_state(model, (args, kwargs)), torch.no_grad():
             model(*args, **kwargs)
     except Exception as exc:
         raise exc from cause
@@ -843,14 +846,30 @@ def _hooks_silenced(model: nn.Module) -> Iterator[None]:
 
 
 class _preserved_state:
-    """Capture runs the model; it must not change running statistics or the RNG stream."""
+    """Capture runs the model; it must not change running statistics, buffers a forward
+    reassigns (``self.steps = self.steps + 1``), inputs it changes in place, or the RNG
+    stream."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, inputs: Any = ()) -> None:
         self.model = model
+        self.inputs = inputs
         self.kept = False
 
     def __enter__(self) -> _preserved_state:
-        self.buffers = [(b, b.detach().clone()) for b in self.model.buffers()]
+        from torch.utils._pytree import tree_leaves
+
+        self.buffers = [
+            (m._buffers, name, b, b.detach().clone())
+            for m in self.model.modules()
+            for name, b in m._buffers.items()
+            if b is not None
+        ]
+        # inputs restored only if a run changed them (their version counter moved)
+        self.args = [
+            (t, t._version, t.detach().clone())
+            for t in tree_leaves(self.inputs)
+            if isinstance(t, torch.Tensor) and not t.is_inference()
+        ]
         self.rng = torch.random.fork_rng(devices=[])
         self.rng.__enter__()
         return self
@@ -866,8 +885,12 @@ class _preserved_state:
             torch.set_rng_state(after)
             return
         with torch.no_grad():
-            for b, saved in self.buffers:
+            for buffers, name, b, saved in self.buffers:
+                buffers[name] = b  # the object forward found, if it assigned another
                 b.copy_(saved)
+            for t, version, saved in self.args:
+                if t._version != version:
+                    t.copy_(saved)
 
 
 def _run_annotating(gm: fx.GraphModule, args: tuple) -> Any:
@@ -910,7 +933,7 @@ def _same_outputs(
     """
     from torch.utils._pytree import tree_flatten
 
-    with _preserved_state(model), torch.set_grad_enabled(grad):
+    with _preserved_state(model, (args, kwargs)), torch.set_grad_enabled(grad):
         got = fn(*args, **(kwargs or {}))
     a, _ = tree_flatten(reference)
     b, _ = tree_flatten(got)
@@ -1042,7 +1065,7 @@ def _kernels(model: nn.Module, opt: OptimizedModule, args: tuple) -> tuple[Any, 
     saved = [(t, t.grad) for t in tensors]
     try:
         # fxrec's own counting steps: warnings they raise (e.g. from the user's hooks) stay quiet
-        with _preserved_state(model), warnings.catch_warnings():
+        with _preserved_state(model, args), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             counts = [count_kernels(m, *args) for m in (model, opt)]
         return tuple((c.forward, c.backward) for c in counts)  # type: ignore[return-value]

@@ -72,8 +72,9 @@ def test_direct_call_skips_dynamo(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(runner, "compiled", fail)
     opt(*model.example(4))  # grad mode as on the first call: direct
-    with torch.no_grad(), pytest.raises(AssertionError, match="through dynamo"):
-        opt(*model.example(4))  # another grad mode: dynamo guards on it
+    with torch.no_grad():
+        opt(*model.example(4))  # another grad mode: a capture of its own, not this one
+    assert len({id(r) for r in opt._runners.values()}) == 2
 
 
 def test_other_grad_mode_goes_through_dynamo_and_matches() -> None:
