@@ -40,7 +40,11 @@ from fxrec.sparse import KeyedJaggedTensor, KeyedTensor, kjt_from_tensordict, pr
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ShardedEmbeddingBagCollection", "shard", "table_specs"]
+__all__ = ["ROW_RANGES", "ShardedEmbeddingBagCollection", "shard", "table_specs"]
+
+#: The key, in a sharded collection's state-dict metadata, of its row-wise blocks' rows:
+#: ``{table: (first row, end row)}``.
+ROW_RANGES = "fxrec_row_ranges"
 
 
 def _configs(ebc: nn.Module) -> list[Any]:
@@ -259,6 +263,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         )
         self._row_blocks = {k: v for k, v in row_blocks.items() if v[1] == rank}
         self._whole_rows = {t.name: t.num_embeddings for t in specs if t.name in plan.row_wise}
+        self._all_keys = frozenset(ebc.state_dict())  # every table's, whichever rank holds it
         mine = [t.name for t in wire_plan.tables_of(rank, wire_specs)]
         self.embedding_bags_local = _local_collection(ebc, mine, self._row_blocks) if mine else None
         # The dtype of the pooled rows a rank without tables sends (it must match its peers'):
@@ -273,6 +278,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
         self.register_load_state_dict_pre_hook(ShardedEmbeddingBagCollection._route_loaded)
         self.register_load_state_dict_post_hook(ShardedEmbeddingBagCollection._drop_reported)
         self._mismatched: list[str] = []  # local keys refused by the last load (see hooks)
+        self._load_prefix = ""  # the collection's prefix in the last load (see hooks)
         logger.info(
             "rank %d holds tables %s (%d of %d rows*dim)",
             rank,
@@ -285,11 +291,19 @@ class ShardedEmbeddingBagCollection(nn.Module):
     # Hooks, not overrides: a model holding this collection saves and loads it through
     # ``Module``'s recursion, which calls no override of ``load_state_dict``.
     def _rename_saved(self, state_dict: Any, prefix: str, local_metadata: Any) -> None:
-        """``<prefix>embedding_bags_local.<key>`` -> ``<prefix><the unsharded key>``."""
+        """``<prefix>embedding_bags_local.<key>`` -> ``<prefix><the unsharded key>``.
+
+        A row-wise table's block is saved with its rows in the module's metadata
+        (:data:`ROW_RANGES`): blocks of equal size are otherwise indistinguishable, and a load
+        must not take another rank's rows for its own.
+        """
         inner = prefix + "embedding_bags_local."
         for key in [k for k in state_dict if k.startswith(inner)]:
             source = _source_key(key[len(inner) :], self._row_blocks)
             state_dict[prefix + source] = state_dict.pop(key)
+        local_metadata[ROW_RANGES] = {
+            table: (lo, hi) for table, _, lo, hi in self._row_blocks.values()
+        }
 
     def _route_loaded(
         self,
@@ -309,11 +323,15 @@ class ShardedEmbeddingBagCollection(nn.Module):
         inner = prefix + "embedding_bags_local."
         mine = self._loadable()
         self._mismatched.clear()
+        self._load_prefix = prefix
+        saved_ranges = local_metadata.get(ROW_RANGES)
         for key in [k for k in state_dict if k.startswith(prefix + "embedding_bags.")]:
-            value = state_dict.pop(key)
             target = mine.get(key[len(prefix) :])
             if target is None:
-                continue  # a table another rank holds
+                if key[len(prefix) :] in self._all_keys:
+                    del state_dict[key]  # a table another rank holds
+                continue  # no table of the collection: left for "Unexpected key(s)"
+            value = state_dict.pop(key)
             local_key, shape = target
             whole = self._whole_shape(local_key, shape)
             if value.shape == whole and value.shape != shape:  # this rank's rows of the table
@@ -322,7 +340,30 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 error_msgs.append(_size_mismatch(key, value.shape, whole, shape))
                 self._mismatched.append(inner + local_key)  # reported: not also "missing"
                 continue
+            elif whole != shape:  # a block of a row-wise table: only this rank's rows
+                refused = self._foreign_block(key, local_key, saved_ranges)
+                if refused:
+                    error_msgs.append(refused)
+                    self._mismatched.append(inner + local_key)
+                    continue
             state_dict[inner + local_key] = value
+
+    def _foreign_block(self, key: str, local_key: str, saved_ranges: Any) -> str | None:
+        """Why a row-wise block saved under ``key`` is not this rank's rows (None if it is)."""
+        table, _, lo, hi = self._row_blocks[_shard_of(local_key, self._row_blocks) or ""]
+        saved = None if saved_ranges is None else saved_ranges.get(table)
+        if saved is not None and tuple(saved) == (lo, hi):
+            return None
+        holds = (
+            f"rows {saved[0]}..{saved[1] - 1}"
+            if saved is not None
+            else "a block of rows with no record of which"
+        )
+        return (
+            f"row-wise block for {key}: the checkpoint holds {holds} of table {table!r}, this "
+            f"rank ({self.rank}) owns rows {lo}..{hi - 1}; load each rank's own state_dict "
+            f"(as it saved it, with its metadata), or a full checkpoint with whole tables."
+        )
 
     def _loadable(self) -> dict[str, tuple[str, torch.Size]]:
         """This rank's state: unsharded key -> (local key, shape)."""
@@ -343,11 +384,17 @@ class ShardedEmbeddingBagCollection(nn.Module):
         return torch.Size((rows, *shape[1:]))
 
     def _drop_reported(self, incompatible: Any) -> None:
-        """Size mismatches already have their error; don't list them as missing keys too."""
+        """Refused tensors already have their error: not also listed as missing. A missing
+        table is reported under the unsharded key, as the unsharded collection reports it."""
         for key in self._mismatched:
             if key in incompatible.missing_keys:
                 incompatible.missing_keys.remove(key)
         self._mismatched.clear()
+        inner = self._load_prefix + "embedding_bags_local."
+        missing = incompatible.missing_keys
+        for i, key in enumerate(missing):
+            if key.startswith(inner):
+                missing[i] = self._load_prefix + _source_key(key[len(inner) :], self._row_blocks)
 
     def row_range(self, table: str) -> tuple[int, int] | None:
         """The rows ``[first, end)`` of row-wise ``table`` this rank holds (None otherwise)."""
