@@ -426,6 +426,18 @@ class OptimizedModule(nn.Module):
             return torch.compile(gm, backend=self._backend, dynamic=None)
         return gm
 
+    def __getattr__(self, name: str) -> Any:
+        """The model's public attributes (``opt.head``, ``opt.get_embeddings()``), as
+        ``torch.compile``'s wrapper gives them: code written for the model keeps working, and
+        ``state_dict()``'s keys, which are the model's, resolve on this module too."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            model = self.__dict__.get("_modules", {}).get("model")
+            if model is None or name.startswith("_"):
+                raise
+            return getattr(model, name)
+
     # -- state: the user's model owns it -------------------------------------------------------
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
         self.fxrec_fused.sync_data()  # flat data replaced since the last call: members follow

@@ -648,3 +648,26 @@ def test_activation_checkpointing_is_kept(reentrant: bool) -> None:
     got = _grads(opt, model)
     for name, p in ref.named_parameters():
         torch.testing.assert_close(got[name], p.grad, rtol=TOL, atol=TOL, msg=name)
+
+
+def test_the_models_attributes_and_distributed_state_dict_helpers() -> None:
+    """``opt.head`` is the model's head, and ``torch.distributed.checkpoint``'s state-dict
+    helpers (which resolve ``state_dict()``'s keys as attributes) read and write through."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    torch.manual_seed(0)
+    model = NormsHead(untraceable=False)
+    ref = copy.deepcopy(model)
+    opt = fxrec.optimize(model, (torch.randn(4, 4 * D),))
+    assert opt.head is model.head and opt.norms is model.norms
+    with pytest.raises(AttributeError):
+        opt.no_such_layer  # noqa: B018
+    got = get_model_state_dict(opt)
+    assert list(got) == list(ref.state_dict())
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(got[k], v, msg=k)
+    torch.manual_seed(1)
+    other = NormsHead(untraceable=False)
+    set_model_state_dict(opt, other.state_dict())
+    x = torch.randn(4, 4 * D)
+    torch.testing.assert_close(opt(x), other(x))
