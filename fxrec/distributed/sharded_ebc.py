@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -34,7 +35,7 @@ from torch import nn
 
 from fxrec.distributed import dist_ops
 from fxrec.distributed import row_wise as rowwise
-from fxrec.distributed.comm import group_name
+from fxrec.distributed.comm import group_name, translated
 from fxrec.distributed.plan import ShardingPlan, TableSpec, greedy_plan
 from fxrec.sparse import KeyedJaggedTensor, KeyedTensor, kjt_from_tensordict, prepare_kjt
 
@@ -229,6 +230,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
                 keys.append(f)
                 dims.append(t.embedding_dim)
         pooling = {c.name: _pooling(c) for c in _configs(ebc)}
+        _check_same_plan(_plan_description(specs, plan, pooling, _is_weighted(ebc)), pg)
         wire_specs, wire_plan, row_blocks, self._rows = _wire(
             specs, plan, pooling, tuple(keys), tuple(dims)
         )
@@ -452,6 +454,58 @@ class ShardedEmbeddingBagCollection(nn.Module):
         if not self._rows.features:
             return kt
         return rowwise.merge_row_shards(kt, kjt, self._rows)
+
+
+def _plan_description(
+    specs: list[TableSpec], plan: ShardingPlan, pooling: dict[str, str], weighted: bool
+) -> dict[str, str]:
+    """What every rank must agree on: each table's shape, features, pooling and place."""
+    rw = set(plan.row_wise)
+    out = {"weighted": str(weighted), "tables": str([t.name for t in specs])}
+    for t in specs:
+        place = "row-wise" if t.name in rw else f"owner rank {plan.owners[t.name]}"
+        out[f"table {t.name!r}"] = (
+            f"({t.num_embeddings}x{t.embedding_dim}, features {list(t.feature_names)}, "
+            f"pooling {pooling[t.name]}, {place})"
+        )
+    return out
+
+
+def _check_same_plan(description: dict[str, str], pg: dist.ProcessGroup) -> None:
+    """Raise on every rank if the ranks built their collections with different plans or
+    tables: each would otherwise send ids to owners that do not hold those tables, silently.
+
+    One all-gather of a hash; the descriptions themselves are gathered only to name the
+    difference once the hashes disagree.
+    """
+    text = repr(sorted(description.items())).encode()
+    digest = int.from_bytes(hashlib.sha256(text).digest()[:8], "little", signed=True)
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if dist.get_backend(pg) == "nccl"
+        else None
+    )
+    mine = torch.tensor([digest], dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(pg.size())]
+    with translated("sharding-plan check (all-gather at construction)"):
+        dist.all_gather(gathered, mine, group=pg)
+        if all(torch.equal(g, mine) for g in gathered):
+            return
+        every: list[Any] = [None] * pg.size()
+        dist.all_gather_object(every, description, group=pg)
+    first = every[0]
+    for rank, other in enumerate(every):
+        diff = sorted(k for k in set(first) | set(other) if first.get(k) != other.get(k))
+        if diff:
+            detail = "; ".join(
+                f"{k}: rank 0 says {first.get(k)}, rank {rank} says {other.get(k)}" for k in diff
+            )
+            raise ValueError(
+                f"ShardedEmbeddingBagCollection: ranks disagree on the sharding plan or the "
+                f"tables ({detail}). Build every rank's collection from the same tables and "
+                f"the same plan (e.g. greedy_plan, or a plan built in a fixed order, not from "
+                f"a set)."
+            )
 
 
 def _wire(
