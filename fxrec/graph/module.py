@@ -130,6 +130,8 @@ class OptimizedModule(nn.Module):
         self._submodules = list(model.modules())
         self._params_seen = _count_registrations()
         self._params = dict(model.named_parameters(remove_duplicate=False))
+        self._slots_stamp: Any = None
+        self._params_swapped()  # the tensors calls expect, taken before any call swaps them
         self.fxrec_report = Report()
         self.train(model.training)
         self._register_load_state_dict_pre_hook(_keys_under_model, with_module=True)
@@ -145,6 +147,8 @@ class OptimizedModule(nn.Module):
                 "arguments as torch.export.export."
             )
         runner, args, kwargs = self._runner(args, kwargs)
+        if self._params_swapped():
+            runner = _EagerRunner(self.model, self.fxrec_fused)
         self.fxrec_fused.sync_requires_grad()
         try:
             out = runner(*args, **kwargs)
@@ -166,6 +170,21 @@ class OptimizedModule(nn.Module):
         if runner is None:
             runner = self._build(key, args, kwargs)
         return runner, args, kwargs
+
+    def _params_swapped(self) -> bool:
+        """Are parameters given other tensors for this call only? ``torch.func.functional_call``
+        writes them into the modules' ``_parameters`` (no registration), while graphs hold the
+        tensors they were built with; the model run eagerly reads them (per-sample gradients,
+        meta-learning). Rechecked on every call: about 50 ns a parameter."""
+        stamp = (_registered[0], len(self.fxrec_fused._parameters))
+        if self._slots_stamp != stamp:
+            self._slots_stamp = stamp
+            self._slots = [
+                (m._parameters, n, p)
+                for m in (*self.model.modules(), self.fxrec_fused)
+                for n, p in m._parameters.items()
+            ]
+        return any(params.get(name) is not p for params, name, p in self._slots)
 
     def _check_params(self) -> None:
         """Graphs bake the model's parameter objects in: rebuild them after one was replaced
@@ -524,6 +543,7 @@ class OptimizedModule(nn.Module):
             state[name] = {}
         state["_communicates"] = set()
         state["_dynamo_backend"] = None
+        state["_slots"], state["_slots_stamp"] = [], None
         return state
 
     def __deepcopy__(self, memo: dict[int, Any]) -> OptimizedModule:

@@ -671,3 +671,32 @@ def test_the_models_attributes_and_distributed_state_dict_helpers() -> None:
     set_model_state_dict(opt, other.state_dict())
     x = torch.randn(4, 4 * D)
     torch.testing.assert_close(opt(x), other(x))
+
+
+@pytest.mark.parametrize("untraceable", [False, True], ids=["symbolic", "dynamo"])
+@pytest.mark.parametrize("names", ["optimized", "model"])
+def test_functional_call_reads_the_tensors_it_is_given(untraceable: bool, names: str) -> None:
+    """``torch.func.functional_call`` swaps parameters for one call (per-sample gradients,
+    meta-learning): the call computes with them, and their gradients are theirs."""
+    torch.manual_seed(0)
+    model = NormsHead(untraceable)
+    ref = copy.deepcopy(model)
+    opt = fxrec.optimize(model, (torch.randn(4, 4 * D),))
+    assert opt.fxrec_report.count("parallel_layer_norm") == 1
+    x = torch.randn(4, 4 * D)
+    opt(x)  # a call before: the one under functional_call is not the first
+    module = opt if names == "optimized" else model
+    given = {n: (p.detach() * 0.5).requires_grad_() for n, p in module.named_parameters()}
+    want_given = {n: (p.detach() * 0.5).requires_grad_() for n, p in ref.named_parameters()}
+    got = torch.func.functional_call(opt, given, (x,))
+    want = torch.func.functional_call(ref, want_given, (x,))
+    torch.testing.assert_close(got, want)
+    got.pow(2).sum().backward()
+    want.pow(2).sum().backward()
+    if names == "model":
+        for n, t in given.items():
+            torch.testing.assert_close(t.grad, want_given[n].grad, msg=n)
+    else:  # the flat tensors given: their members' gradients are slices of theirs
+        assert all(t.grad is not None for t in given.values())
+    assert all(p.grad is None for p in opt.parameters())  # the module's own were not used
+    torch.testing.assert_close(opt(x), ref(x))  # and afterwards, the module's own again
