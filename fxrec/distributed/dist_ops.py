@@ -10,7 +10,8 @@ many ids and rows it will send: :func:`request_counts` (asynchronous ``all_to_al
 of a small counts tensor) and :func:`wait_counts`. :func:`send_ids` then starts the ids,
 lengths and weights (``async_op=True``, returning a :class:`IdsHandle` that holds the
 ``Work`` objects) and :func:`wait_ids` waits for them. The chain request -> wait -> request
--> wait gives the overlap pass one window per exchange. Ids and lengths travel as int64
+-> wait gives the overlap pass one window per exchange. Ids and lengths travel as int64,
+weights as float64 (:data:`WEIGHTS_WIRE_DTYPE`),
 whatever each rank's dtypes (ranks may differ). Weights travel only for a weighted collection
 (``IdsLayout.weighted``, the same on every rank, never read from one rank's input); when
 any rank's weights require grad (a flag in the counts), every rank sends them by the
@@ -69,6 +70,14 @@ __all__ = [
     "wait_ids",
     "wait_pooled",
 ]
+
+
+#: The dtype per-id weights travel in, whatever each rank's (ranks may differ; the exchange
+#: needs one). float64 holds every float weight exactly, so the owner's lookup casts and
+#: divides them as the unsharded collection does: fbgemm divides a mean bag's weights in
+#: their dtype then rounds to float32 (float64 then float32 is the same rounding for float32
+#: weights), torch's kernel casts them to the table's dtype first.
+WEIGHTS_WIRE_DTYPE = torch.float64
 
 
 @dataclass(frozen=True)
@@ -367,7 +376,7 @@ def send_ids(splits: IdsSplits) -> IdsHandle:
     lengths_in = kjt.lengths().to(torch.int64)
     values = values_in.new_empty(sum(ids_from))
     lengths = lengths_in.new_empty(sum(len_from))
-    weights_in = kjt.weights() if layout.weighted else None
+    weights_in = kjt.weights().to(WEIGHTS_WIRE_DTYPE) if layout.weighted else None
     weights = None
     try:
         works = [

@@ -143,3 +143,25 @@ def _weighted_without_weights(rank: int, world: int) -> None:
 @pytest.mark.timeout(120)
 def test_weighted_collection_without_weights_is_a_value_error() -> None:
     run_ranks(2, _weighted_without_weights, deadline=90)
+
+
+def _mixed_weight_dtypes(rank: int, world: int, row_wise: tuple[str, ...]) -> None:
+    ebc = make_ebc(weighted=True)
+    sharded = shard(copy.deepcopy(ebc), row_wise=row_wise)
+    # bfloat16: the unsharded collection divides a mean bag's weights in bfloat16, the owner
+    # in float64 (the wire's dtype)
+    exact = {torch.float64: 1e-6, torch.bfloat16: 5e-3}
+    for step, (dtype, atol) in enumerate(exact.items()):
+        kjt = make_batch(ebc, rank, True, 7 + step)
+        if rank == 1:  # rank 0 keeps float32 weights: one wire dtype all the same
+            weights = kjt.weights().to(dtype)
+            kjt = KeyedJaggedTensor(kjt.keys(), kjt.values(), weights, lengths=kjt.lengths())
+        ebc.zero_grad()
+        sharded.zero_grad()
+        check_against_unsharded(ebc, sharded, kjt, rank, atol)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("row_wise", [(), ("t2",)])
+def test_ranks_may_send_weights_of_different_float_dtypes(row_wise: tuple[str, ...]) -> None:
+    run_ranks(2, _mixed_weight_dtypes, row_wise, timeout=10, deadline=90)
