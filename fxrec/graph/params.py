@@ -10,6 +10,8 @@ storage at its slice (``member.data = flat[i]``). So:
 * the user's original ``nn.Parameter`` objects still exist, share storage with the fused
   one, and so always show the trained values: ``state_dict()`` keys, shapes and values stay
   the original ones, and ``load_state_dict`` writes through into the fused parameter;
+* a gradient that still reaches a member (a loss term on the model's parameters, an L2
+  penalty selected by name) is moved into its slice of the fused parameter's gradient;
 * the optimizer must be built on the optimized module's ``parameters()`` (which yields the
   fused parameter, not the members) *after* ``fxrec.optimize``.
 
@@ -24,7 +26,7 @@ import logging
 import operator
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
@@ -46,15 +48,33 @@ class _Member:
     ptr: int = 0  # where its data was pointed last: another address means new data
 
 
+@dataclass(frozen=True)
+class _Slot:
+    """Where a member sits in its flat tensor, without holding the member."""
+
+    how: str  # "stack" or "cat"
+    index: int
+    offset: int
+    rows: int
+
+
+def _slot(how: str, m: _Member) -> _Slot:
+    return _Slot(how, m.index, m.offset, m.tensor.shape[0] if m.tensor.dim() else 1)
+
+
 def _member_slice(flat: torch.Tensor, how: str, m: _Member) -> torch.Tensor:
     """``m``'s part of ``flat`` (or of its gradient), as a view."""
-    if how == "stack":
-        piece = flat[m.index]
+    return _slot_view(flat, _slot(how, m))
+
+
+def _slot_view(flat: torch.Tensor, slot: _Slot) -> torch.Tensor:
+    if slot.how == "stack":
+        piece = flat[slot.index]
         if piece.is_contiguous() and piece.stride() != _dense_strides(piece.shape):
             # a flat restrided by ``_grad_strides``: members keep the strides they were made with
             piece = piece.as_strided(piece.shape, _dense_strides(piece.shape))
         return piece
-    return flat.narrow(0, m.offset, m.tensor.shape[0])
+    return flat.narrow(0, slot.offset, slot.rows)
 
 
 def _dense_strides(shape: torch.Size) -> tuple[int, ...]:
@@ -88,25 +108,120 @@ class _Viewed:
     device: torch.device
 
 
-# Every laid-out member parameter in the process, by id: (member, its flat parameter), both
-# held weakly. An optimizer built on the model before ``fxrec.optimize`` holds the members,
-# whose gradients now go to the flat parameters: it would skip them, every step, silently.
-_LAID_OUT: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+# Every laid-out member parameter in the process, by id: (member, its flat parameter, where it
+# sits), the tensors held weakly. An optimizer built on the model before ``fxrec.optimize``
+# holds the members, whose gradients now go to the flat parameters: it would skip them, every
+# step, silently.
+_LAID_OUT: dict[int, tuple[weakref.ref, weakref.ref, _Slot]] = {}
+_FLATS: dict[int, weakref.ref] = {}  # every flat parameter holding laid-out members, by id
 _step_hook: list[RemovableHandle] = []
 
 
-def _watch(member: torch.Tensor, flat: torch.Tensor) -> None:
+@dataclass
+class _GradNote:
+    """What went into one ``.grad`` tensor of a flat parameter (a new tensor: a new note)."""
+
+    grad: weakref.ref
+    graph: bool = False  # autograd accumulated into it: a graph read the flat parameter
+    moved: set[int] = field(default_factory=set)  # members whose own gradients were moved in
+
+
+_NOTES: dict[int, tuple[weakref.ref, _GradNote]] = {}  # by id of the flat parameter
+
+
+def _note(flat: torch.Tensor) -> _GradNote:
+    """The note on ``flat``'s current ``.grad`` (which is not None)."""
+    key = id(flat)
+    entry = _NOTES.get(key)
+    if entry is not None and entry[0]() is flat and entry[1].grad() is flat.grad:
+        return entry[1]
+
+    def forget(ref: weakref.ref) -> None:  # the flat parameter died: its id may be reused
+        if _NOTES.get(key, (None,))[0] is ref:
+            del _NOTES[key]
+
+    note = _GradNote(weakref.ref(flat.grad))
+    _NOTES[key] = (weakref.ref(flat, forget), note)
+    return note
+
+
+def _graph_grad(flat: torch.Tensor) -> None:
+    """Post-accumulate hook on each flat parameter: autograd reached it, so a graph read it
+    (tells the optimizer check a stale optimizer from the plain model trained directly)."""
+    _note(flat).graph = True
+
+
+def _grad_to_flat(member: torch.Tensor) -> None:
+    """Post-accumulate hook on each laid-out member.
+
+    A gradient that reaches the member itself (a loss term on the model's parameters: an L2
+    penalty selected by name) goes into the member's slice of the flat parameter's gradient,
+    which the optimizer on ``opt.parameters()`` and ``grads`` read, and leaves the member (an
+    optimizer holding both, ``ddp.parameters()``, would apply it twice).
+    """
+    entry = _LAID_OUT.get(id(member))
+    g = member.grad
+    if entry is None or entry[0]() is not member or g is None or _counting_kernels():
+        return
+    flat = entry[1]()
+    if flat is None:
+        return
+    with torch.no_grad():
+        if flat.grad is None:
+            flat.grad = torch.zeros_like(flat)  # keeps the flat's strides (``_grad_strides``)
+        if flat.grad.is_sparse:
+            full = torch.zeros_like(flat)
+            _slot_view(full, entry[2]).add_(g)
+            flat.grad = flat.grad + full.to_sparse()
+        else:
+            _slot_view(flat.grad, entry[2]).add_(g)
+    _note(flat).moved.add(id(member))
+    member.grad = None
+
+
+def _counting_kernels() -> bool:
+    """Is ``fxrec.count_kernels`` counting (the plain model's step, for the report)? Its
+    gradients then stay where eager puts them: the count is eager's, and ``count_kernels``
+    restores them, not the flat parameters' gradients."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    from fxrec.measure import _Counter
+
+    return any(isinstance(mode, _Counter) for mode in _get_current_dispatch_mode_stack())
+
+
+def _hook(t: torch.Tensor, fn: object) -> None:
+    """Register fxrec's post-accumulate hook ``fn`` on ``t`` once (copies and unpickled
+    tensors come without hooks); a tensor that needs no gradient gets it when it does."""
+    hooks = t._post_accumulate_grad_hooks
+    if t.requires_grad and not (hooks and any(h is fn for h in hooks.values())):
+        t.register_post_accumulate_grad_hook(fn)  # type: ignore[arg-type]
+
+
+def _watch(member: torch.Tensor, flat: torch.Tensor, slot: _Slot) -> None:
     key = id(member)
 
     def forget(ref: weakref.ref) -> None:  # the member died: its id may be reused
         if _LAID_OUT.get(key, (None,))[0] is ref:
             del _LAID_OUT[key]
 
-    _LAID_OUT[key] = (weakref.ref(member, forget), weakref.ref(flat))
+    entry = _LAID_OUT.get(key)
+    if entry is None or entry[0]() is not member or entry[1]() is not flat or entry[2] != slot:
+        _LAID_OUT[key] = (weakref.ref(member, forget), weakref.ref(flat), slot)
+    fkey = id(flat)
+
+    def drop(ref: weakref.ref) -> None:  # the flat parameter died
+        if _FLATS.get(fkey) is ref:
+            del _FLATS[fkey]
+
+    if fkey not in _FLATS or _FLATS[fkey]() is not flat:
+        _FLATS[fkey] = weakref.ref(flat, drop)
+    _hook(member, _grad_to_flat)
+    _hook(flat, _graph_grad)
     if not _step_hook:
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-        _step_hook.append(register_optimizer_step_pre_hook(_refuse_stale_optimizer))
+        _step_hook.append(register_optimizer_step_pre_hook(_check_optimizer))
 
 
 def laid_out(tensors: Sequence[torch.Tensor]) -> int:
@@ -118,11 +233,47 @@ def laid_out(tensors: Sequence[torch.Tensor]) -> int:
     return count
 
 
+def _check_optimizer(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+    """Before any optimizer's step: the checks below."""
+    _refuse_whole_tensor_optimizer(optimizer)
+    _refuse_stale_optimizer(optimizer, args, kwargs)
+
+
+def _whole_tensor_optimizers() -> tuple[type, ...]:
+    names = ("Adafactor", "Muon")
+    return tuple(c for n in names if isinstance(c := getattr(torch.optim, n, None), type))
+
+
+def _refuse_whole_tensor_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Raise for an optimizer whose update of a tensor depends on the whole tensor (Adafactor's
+    factored moments and RMS scaling, Muon's orthogonalization) holding a flat parameter: it
+    would treat the members laid out in it as one matrix, unlike on the model."""
+    if not isinstance(optimizer, _whole_tensor_optimizers()):
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            ref = _FLATS.get(id(p))
+            if ref is not None and ref() is p:
+                raise RuntimeError(
+                    f"fxrec: {type(optimizer).__name__} computes each parameter's update from "
+                    f"the whole tensor, and it holds a flat parameter of shape {tuple(p.shape)} "
+                    "in which fxrec.optimize laid out several of the model's parameters: it "
+                    "would update them as one tensor, not as the model's parameters. Optimize "
+                    "with fxrec.optimize(..., keep_params=True), which keeps each original "
+                    "parameter its own tensor."
+                )
+
+
 def _refuse_stale_optimizer(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
     """Before any optimizer's step: raise if it holds a laid-out member that got no gradient
     while its flat parameter did (the backward went through the flat parameters), and not
-    that flat parameter too (``ddp.parameters()`` walks into the members as well: harmless)."""
+    that flat parameter too (``ddp.parameters()`` walks into the members as well: harmless).
+
+    A flat gradient made only of its members' own gradients (see ``_grad_to_flat``) is the
+    plain model trained directly, with an optimizer on its parameters: they get them back.
+    """
     held: set[int] | None = None
+    back: dict[int, tuple[torch.Tensor, set[int]]] = {}
     for group in optimizer.param_groups:
         for p in group["params"]:
             entry = _LAID_OUT.get(id(p))
@@ -133,22 +284,52 @@ def _refuse_stale_optimizer(optimizer: torch.optim.Optimizer, args: object, kwar
                 continue
             if held is None:
                 held = {id(q) for g in optimizer.param_groups for q in g["params"]}
-            if id(flat) not in held:
-                raise RuntimeError(
-                    f"fxrec: this {type(optimizer).__name__} holds a parameter of shape "
-                    f"{tuple(p.shape)} that fxrec.optimize laid out into a flat parameter: "
-                    "its gradient goes to the flat one, so the optimizer would never update "
-                    "it. Build the optimizer after optimize, on opt.parameters() "
-                    "(fxrec.param_groups(opt, groups) for parameter groups), or optimize with "
-                    "keep_params=True."
-                )
+            if id(flat) in held:
+                continue
+            entry = _NOTES.get(id(flat))
+            note = entry[1] if entry is not None and entry[0]() is flat else None
+            if note is not None and note.grad() is flat.grad and not note.graph and note.moved:
+                back[id(flat)] = (flat, note.moved)  # the plain model trained directly
+                continue
+            raise RuntimeError(
+                f"fxrec: this {type(optimizer).__name__} holds a parameter of shape "
+                f"{tuple(p.shape)} that fxrec.optimize laid out into a flat parameter: "
+                "its gradient goes to the flat one, so the optimizer would never update "
+                "it. Build the optimizer after optimize, on opt.parameters() "
+                "(fxrec.param_groups(opt, groups) for parameter groups), or optimize with "
+                "keep_params=True."
+            )
+    if back:
+        _give_back(back)
+
+
+def _give_back(back: dict[int, tuple[torch.Tensor, set[int]]]) -> None:
+    """Members moved into the flat gradients in ``back`` (by flat id: the flat parameter, the
+    ids of its members moved in) take their gradients back; those flat gradients go."""
+    dense: dict[int, torch.Tensor] = {}
+    for key, (flat, _) in back.items():
+        grad = flat.grad
+        assert grad is not None
+        dense[key] = grad.to_dense() if grad.is_sparse else grad
+    for ref, owner, slot in list(_LAID_OUT.values()):
+        member, flat = ref(), owner()
+        flat_moved = back.get(id(flat)) if member is not None and flat is not None else None
+        if flat_moved is not None and flat_moved[0] is flat and id(member) in flat_moved[1]:
+            member.grad = _slot_view(dense[id(flat)], slot).clone()
+    for flat, _ in back.values():
+        flat.grad = None
 
 
 def has_grad_hooks(t: torch.Tensor) -> bool:
-    """Does ``t`` carry hooks on its own gradient (``register_hook``,
+    """Does ``t`` carry hooks of the user's on its own gradient (``register_hook``,
     ``register_post_accumulate_grad_hook``)? Such hooks run only while ``t`` is the leaf
-    autograd reaches, which a laid-out member no longer is."""
-    return bool(t._backward_hooks) or bool(t._post_accumulate_grad_hooks)
+    autograd reaches, which a laid-out member no longer is (fxrec's own hooks excepted)."""
+    if t._backward_hooks:
+        return True
+    hooks = t._post_accumulate_grad_hooks
+    return bool(hooks) and any(
+        h is not _grad_to_flat and h is not _graph_grad for h in hooks.values()
+    )
 
 
 class FusedParameters(nn.Module):
@@ -165,7 +346,8 @@ class FusedParameters(nn.Module):
         self.frozen = False
 
     def __setstate__(self, state: dict) -> None:
-        """Unpickled: the index by tensor ids is rebuilt (ids are per process)."""
+        """Unpickled: the index by tensor ids is rebuilt, and the members registered as laid
+        out again (ids and gradient hooks are per process)."""
         super().__setstate__(state)
         self._index = None
         self.__dict__.setdefault("_viewed", {})  # pickled before it existed: no check until relink
@@ -174,6 +356,8 @@ class FusedParameters(nn.Module):
             (how, tuple(id(m.tensor) for m in members)): name
             for name, (how, members) in self._members.items()
         }
+        for name in self._members:  # the registry and the gradient hooks are per process
+            self._watch_members(name)
 
     def freeze(self) -> None:
         """No new layouts from now on: graphs built later reuse the existing ones.
@@ -218,6 +402,8 @@ class FusedParameters(nn.Module):
                 flat.requires_grad_(flags.pop())
             if self._synced.get(name) is not flat.requires_grad:
                 self._synced[name] = flat.requires_grad
+                if flat.requires_grad:  # hooks need tensors that require gradients
+                    self._watch_members(name)
 
     def sync_data(self) -> None:
         """Members view their flat tensors' current data again, wherever either was given new
@@ -278,9 +464,10 @@ class FusedParameters(nn.Module):
                 "convert the optimized module as a whole (opt.to(...), opt.double()), or put "
                 "its old data back and optimize again."
             )
-        for m in members:
-            m.tensor.data = _member_slice(flat.data, how, m)
-            m.ptr = m.tensor.data_ptr()
+        with torch.inference_mode(False):
+            for m in members:
+                m.tensor.data = _member_slice(flat.data, how, m)
+                m.ptr = m.tensor.data_ptr()
         self._record(name, flat)
 
     def _record(self, name: str, flat: torch.Tensor) -> None:
@@ -291,20 +478,21 @@ class FusedParameters(nn.Module):
         """Members given new data since they were laid out (``member.data = t``): the values
         go into the flat tensor, and the members view it again. Data of another shape, dtype
         or device (the model converted instead of the optimized module) cannot, and raises."""
-        for m in stray:
-            t = m.tensor
-            part = _member_slice(flat.data, how, m)
-            if (t.shape, t.dtype, t.device) != (part.shape, part.dtype, part.device):
-                raise RuntimeError(
-                    f"fxrec: a parameter laid out in fxrec_fused.{name} now holds data of "
-                    f"another shape, dtype or device ({tuple(t.shape)}, {t.dtype}, {t.device}) "
-                    "than that flat tensor, which the optimizer holds. Convert the optimized "
-                    "module (opt.to(...), opt.double()) rather than the model, or optimize again."
-                )
-            with torch.no_grad():
-                part.copy_(t.data)
-            t.data = part
-            m.ptr = t.data_ptr()
+        with torch.inference_mode(False):  # new data under inference_mode stays trainable
+            for m in stray:
+                t = m.tensor
+                part = _member_slice(flat.data, how, m)
+                if (t.shape, t.dtype, t.device) != (part.shape, part.dtype, part.device):
+                    raise RuntimeError(
+                        f"fxrec: a parameter laid out in fxrec_fused.{name} now holds data of "
+                        f"another shape, dtype or device ({tuple(t.shape)}, {t.dtype}, {t.device}) "
+                        "than that flat tensor, which the optimizer holds. Convert the optimized "
+                        "module (opt.to(...), opt.double()) rather than the model, or optimize again."
+                    )
+                with torch.no_grad():
+                    part.copy_(t.data)
+                t.data = part
+                m.ptr = t.data_ptr()
 
     def copy_layouts(self, memo: dict[int, object]) -> FusedParameters:
         """The same layouts over deep copies of the members (``memo``: ``copy.deepcopy``'s).
@@ -395,9 +583,10 @@ class FusedParameters(nn.Module):
         if existing is not None:
             return existing
         name = f"{how}{len(self._members)}"
-        with torch.no_grad():
+        # normal tensors even under torch.inference_mode(): the model trains on them afterwards
+        with torch.no_grad(), torch.inference_mode(False):
             data = torch.stack(list(tensors)) if how == "stack" else torch.cat(list(tensors))
-        data = _grad_strides(data)
+            data = _grad_strides(data)
         if all(isinstance(t, nn.Parameter) for t in tensors):
             data = nn.Parameter(data, requires_grad=tensors[0].requires_grad)
         self._install(name, how, data, tensors)
@@ -427,12 +616,21 @@ class FusedParameters(nn.Module):
         for n in names:
             how, members = self._members[n]
             flat = getattr(self, n)
-            for m in members:
-                m.tensor.data = _member_slice(flat.data, how, m)
-                m.ptr = m.tensor.data_ptr()
-                if isinstance(flat, nn.Parameter):
-                    _watch(m.tensor, flat)
+            with torch.inference_mode(False):
+                for m in members:
+                    m.tensor.data = _member_slice(flat.data, how, m)
+                    m.ptr = m.tensor.data_ptr()
+            self._watch_members(n)
             self._record(n, flat)
+
+    def _watch_members(self, name: str) -> None:
+        """Register ``name``'s members as laid out (for the optimizer checks) and route
+        gradients that reach them into the flat parameter's (see ``_grad_to_flat``)."""
+        how, members = self._members[name]
+        flat = getattr(self, name)
+        if isinstance(flat, nn.Parameter):
+            for m in members:
+                _watch(m.tensor, flat, _slot(how, m))
 
     def check_conversion(self, fn: object) -> None:
         """Refuse a conversion (``module._apply``'s ``fn``) that would give members new tensor
