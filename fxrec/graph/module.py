@@ -196,6 +196,15 @@ class OptimizedModule(nn.Module):
             members = self.fxrec_fused.member_ids()
             laid_out = [n for n in changed if id(self._params.get(n)) in members]
             if laid_out:
+                owner_name, _, leaf = laid_out[0].rpartition(".")
+                owner = self.model.get_submodule(owner_name)
+                if f"{leaf}_orig" in owner._parameters or hasattr(owner, "parametrizations"):
+                    raise RuntimeError(
+                        f"fxrec: parameter {laid_out[0]!r} was reparametrized after "
+                        "fxrec.optimize (pruning, weight_norm, parametrize), but its values live "
+                        "in a flat parameter (fxrec_fused.*) that the optimizer holds. Apply it "
+                        "to the model first, then call fxrec.optimize."
+                    )
                 raise RuntimeError(
                     f"fxrec: parameter {laid_out[0]!r} was replaced after fxrec.optimize, but "
                     "its values live in a flat parameter (fxrec_fused.*) that the optimizer "

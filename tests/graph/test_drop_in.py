@@ -249,6 +249,16 @@ def test_parameters_replaced_after_optimize(untraceable: bool) -> None:
         opt(x)
 
 
+def test_pruning_a_laid_out_parameter_after_optimize_says_to_prune_first() -> None:
+    model = Norms()
+    opt = fxrec.optimize(model, (torch.randn(8, 4 * D),))
+    from torch.nn.utils import prune
+
+    prune.l1_unstructured(model.norms[1], "weight", amount=0.5)
+    with pytest.raises(RuntimeError, match=r"'norms\.1\.weight' was reparametrized .* first"):
+        opt(torch.randn(8, 4 * D))
+
+
 class ScaledNorms(Norms):
     """Reads a Python attribute that changes every call: dynamo (with its guards) recompiles."""
 
