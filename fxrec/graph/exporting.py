@@ -31,12 +31,13 @@ def export(
     module is passed through). Takes the same arguments (``dynamic_shapes=``, ``strict=``).
 
     The program computes what ``model`` computes in its current mode (``eval()`` first for
-    serving). Only symbolically traced models have a graph that can be exported: a model
+    serving). A model holding a sharded collection is refused: export its unsharded copy. Only symbolically traced models have a graph that can be exported: a model
     fxrec captured with dynamo raises, and ``torch.export.export(opt.model, ...)`` exports it
     unoptimized.
     """
     from fxrec.graph.module import OptimizedModule
 
+    _refuse_sharded(model)
     if not isinstance(model, OptimizedModule):
         return torch.export.export(model, tuple(args), dict(kwargs or {}), **export_kwargs)
     runner, call_args, call_kwargs = model._runner(tuple(args), dict(kwargs or {}))
@@ -55,3 +56,18 @@ def export(
     # the trace's placeholders: forward's arguments in order, keyword-only ones last
     flat = call_args + tuple(call_kwargs.values())
     return torch.export.export(prune_attrs(runner), flat, **export_kwargs)
+
+
+def _refuse_sharded(model: nn.Module) -> None:
+    """A sharded collection exchanges ids and rows with its peers inside forward: no exported
+    program can do that, and dynamo would fail deep inside the exchange."""
+    from fxrec.distributed.sharded_ebc import ShardedEmbeddingBagCollection
+
+    names = [n for n, m in model.named_modules() if isinstance(m, ShardedEmbeddingBagCollection)]
+    if names:
+        raise ValueError(
+            f"fxrec.export: {type(model).__name__} holds sharded embedding collections "
+            f"({', '.join(repr(n) for n in names[:3])}), which communicate with the other "
+            "ranks inside forward and cannot be exported. Export the unsharded model instead: "
+            "load the full checkpoint into an unsharded copy and export that."
+        )
