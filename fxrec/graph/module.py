@@ -553,6 +553,7 @@ class OptimizedModule(nn.Module):
         state["_communicates"] = set()
         state["_dynamo_backend"] = None
         state["_slots"], state["_slots_stamp"] = [], None
+        state["fxrec_report"] = self.fxrec_report.for_copy()
         return state
 
     def __deepcopy__(self, memo: dict[int, Any]) -> OptimizedModule:
@@ -571,7 +572,7 @@ class OptimizedModule(nn.Module):
             guards=self._guards,
         )
         out.fxrec_fused = self.fxrec_fused.copy_layouts(memo)
-        out.fxrec_report = copy.deepcopy(self.fxrec_report, memo)
+        out.fxrec_report = self.fxrec_report.for_copy()
         out.train(self.training)
         memo[id(self)] = out
         return out

@@ -78,6 +78,16 @@ class Report:
         self.seconds += other.seconds
         self.notes += other.notes
 
+    def for_copy(self) -> Report:
+        """The report of a copy (deepcopy, pickle), whose graphs are rebuilt on its first
+        calls and report their rules again: what optimize measured, without the graphs."""
+        return Report(
+            capture=self.capture,
+            kernels_before=self.kernels_before,
+            kernels_after=self.kernels_after,
+            notes=list(self.notes),
+        )
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 

@@ -710,3 +710,16 @@ def test_functional_call_reads_the_tensors_it_is_given(untraceable: bool, names:
         assert all(t.grad is not None for t in given.values())
     assert all(p.grad is None for p in opt.parameters())  # the module's own were not used
     torch.testing.assert_close(opt(x), ref(x))  # and afterwards, the module's own again
+
+
+def test_copies_report_their_rules_once() -> None:
+    import io
+
+    opt = fxrec.optimize(Norms(), (torch.randn(8, 4 * D),))
+    buf = io.BytesIO()
+    torch.save(opt, buf)
+    buf.seek(0)
+    for copied in (copy.deepcopy(opt), torch.load(buf, weights_only=False)):
+        copied(torch.randn(8, 4 * D))  # graphs rebuilt: their rules reported again
+        assert copied.fxrec_report.count("parallel_layer_norm") == 1
+        assert copied.fxrec_report.kernels_after == opt.fxrec_report.kernels_after
