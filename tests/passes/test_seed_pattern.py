@@ -182,9 +182,9 @@ def test_train_and_eval_modes(kind: str) -> None:
     opt.eval()
     ref.eval()
     x = torch.randn(4, 12)
-    with torch.no_grad():
+    with torch.no_grad():  # serving: the eval graph built for no_grad calls
         torch.testing.assert_close(opt(x), ref(x))
-    assert fxrec.count_kernels(opt, x, backward=False).forward == 3
+        assert fxrec.count_kernels(opt, x, backward=False).forward == 3
 
 
 # -- property: random split / norm / activation / cat graphs --------------------------------
