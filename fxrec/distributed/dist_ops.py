@@ -349,6 +349,17 @@ def wait_counts(handle: CountsHandle) -> IdsSplits:
     )
 
 
+def why_absent(ended: bool) -> str:
+    """Why ranks have no batch for an exchange, in a peer's words: it cannot tell a loader
+    that failed from a batch its own rank refused before sending anything."""
+    if ended:
+        return "their data loader ended"
+    return (
+        "their data loader failed, or their batch was refused before the exchange, e.g. "
+        "for an id outside its table: see those ranks' errors"
+    )
+
+
 @torch.fx.wrap
 def send_ids(splits: IdsSplits) -> IdsHandle:
     """Start sending every key's ids to the rank that owns its table (returns at once)."""
@@ -361,9 +372,8 @@ def send_ids(splits: IdsSplits) -> IdsHandle:
     if absent or kjt is None:
         ended = any(b == ENDED for b in splits.batch_sizes)
         raise MissingBatch(
-            f"rank {me}: rank(s) {absent or [me]} have no batch for this exchange (their data "
-            f"loader {'ended' if ended else 'failed'}); no ids are sent, so every rank skips "
-            "this batch.",
+            f"rank {me}: rank(s) {absent or [me]} have no batch for this exchange "
+            f"({why_absent(ended)}); no ids are sent, so every rank skips this batch.",
             absent or [me],
             ended,
         )

@@ -471,7 +471,7 @@ class TrainPipelineSparseDist(TrainPipelineBase):
 
     def _agree_on(self, current: tuple[int, Any, BaseException | None, str] | None) -> None:
         """Roll call for a batch no id-count exchange announced: raise for it, on every rank,
-        if a rank has none (its loader failed or ended)."""
+        if a rank has none (its loader failed or ended, or it refused its batch)."""
         rc = self._roll_call
         assert rc is not None
         mine = rc.ENDED if current is None else rc.FAILED if current[2] is not None else rc.HAVE
@@ -484,12 +484,12 @@ class TrainPipelineSparseDist(TrainPipelineBase):
         if mine != rc.HAVE or not missing:
             return
         from fxrec.distributed import MissingBatch
+        from fxrec.distributed.dist_ops import why_absent
 
         ended = rc.ENDED in states
         index = current[0]  # type: ignore[index]
         err = MissingBatch(
-            f"rank(s) {missing} have no batch {index} (their data loader "
-            f"{'ended' if ended else 'failed'}); every rank skips it.",
+            f"rank(s) {missing} have no batch {index} ({why_absent(ended)}); every rank skips it.",
             missing,
             ended,
         )
