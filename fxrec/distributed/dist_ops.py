@@ -245,7 +245,14 @@ def request_counts(kjt: KeyedJaggedTensor, layout: IdsLayout, rows: Any = None) 
     early = _take_early(kjt, layout)
     if early is not None:
         return early
-    grad = _check_input(kjt, layout)
+    try:
+        grad = _check_input(kjt, layout)
+    except ValueError as exc:
+        # The other ranks are in this exchange: announce no batch, so that they skip it at
+        # once (MissingBatch) instead of waiting for ids until the group's timeout. The
+        # handle goes with the error, for a train pipeline that keeps it as its exchange.
+        exc.fxrec_absent = request_absent(layout)  # type: ignore[attr-defined]
+        raise
     if rows is not None:
         kjt = rows.route(kjt)
     pg = _pg(layout.group_name)

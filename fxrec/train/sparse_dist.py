@@ -179,6 +179,10 @@ class InputDist:
                     continue
                 except Exception as exc:  # a bad batch: the peers still get their exchange
                     error = exc
+                    announced = getattr(exc, "fxrec_absent", None)  # by the refusing request
+                    if announced is not None:
+                        self._pending[id(m)] = (None, (None, announced))
+                        continue
             self._pending[id(m)] = (None, (None, m.request_absent()))
         if error is not None:
             raise error

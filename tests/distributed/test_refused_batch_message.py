@@ -43,5 +43,8 @@ def _refused(rank: int, world: int, optimized: bool, bad: int) -> None:
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("optimized", [False, True])
-def test_peers_hear_a_refused_batch_is_missing(optimized: bool) -> None:
-    run_ranks(2, _refused, optimized, 2, timeout=15.0, deadline=120.0)
+@pytest.mark.parametrize("bad", [0, 2], ids=["exchanged_in_forward", "sent_early"])
+def test_peers_hear_a_refused_batch_is_missing(optimized: bool, bad: int) -> None:
+    """Batch 0's ids are exchanged inside forward (nothing ran before it to send them early);
+    later batches' ids are sent while the previous batch trains."""
+    run_ranks(2, _refused, optimized, bad, timeout=15.0, deadline=60.0)
