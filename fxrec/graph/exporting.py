@@ -31,8 +31,9 @@ def export(
     module is passed through). Takes the same arguments (``dynamic_shapes=``, ``strict=``).
 
     The program computes what ``model`` computes in its current mode (``eval()`` first for
-    serving). A model holding a sharded collection is refused: export its unsharded copy. Only symbolically traced models have a graph that can be exported: a model
-    fxrec captured with dynamo raises, and ``torch.export.export(opt.model, ...)`` exports it
+    serving). A model holding a sharded collection is refused: export its unsharded copy.
+    Only symbolically traced models have a graph that can be exported: a model fxrec
+    captured with dynamo raises, and ``torch.export.export(opt.model, ...)`` exports it
     unoptimized.
     """
     from fxrec.graph.module import OptimizedModule
