@@ -43,6 +43,18 @@ def _x() -> torch.Tensor:
     return torch.randn(16, N * D)
 
 
+def _trains_like(opt: nn.Module, named: nn.Module, ref: nn.Module, optim: str, **zero: bool) -> None:
+    """Three penalized steps (the penalty on ``named``'s parameters) match ``ref``'s: losses,
+    then every parameter."""
+    o_opt, o_ref = OPTIMS[optim](list(opt.parameters())), OPTIMS[optim](list(ref.parameters()))
+    for _ in range(3):
+        x = _x()
+        got = _penalized_step(opt, named, o_opt, x, **zero)
+        want = _penalized_step(ref, ref, o_ref, x, **zero)
+        assert got == pytest.approx(want, rel=TOL, abs=TOL)
+        _same_state(opt, ref)
+
+
 @pytest.mark.parametrize("optim", sorted(OPTIMS))
 @pytest.mark.parametrize("untraceable", [False, True], ids=["symbolic", "dynamo"])
 @pytest.mark.parametrize("set_to_none", [True, False])
@@ -51,13 +63,7 @@ def test_a_penalty_on_the_models_parameters_trains_like_eager(
 ) -> None:
     """The penalty's gradient reaches the members: it must reach the optimizer too."""
     model, opt, ref = _pair(untraceable)
-    o_opt, o_ref = OPTIMS[optim](list(opt.parameters())), OPTIMS[optim](list(ref.parameters()))
-    for _ in range(3):
-        x = _x()
-        got = _penalized_step(opt, model, o_opt, x, set_to_none=set_to_none)
-        want = _penalized_step(ref, ref, o_ref, x, set_to_none=set_to_none)
-        assert got == pytest.approx(want, rel=TOL, abs=TOL)
-        _same_state(opt, ref)
+    _trains_like(opt, model, ref, optim, set_to_none=set_to_none)
     assert all(p.grad is None for p in model.parameters() if id(p) in opt.fxrec_fused.member_ids())
 
 
@@ -100,13 +106,7 @@ def test_parameters_unfrozen_after_optimize_take_the_penalty() -> None:
     opt = fxrec.optimize(model, (torch.randn(8, N * D),))
     opt.requires_grad_(True)
     ref.requires_grad_(True)
-    o_opt, o_ref = OPTIMS["adam"](list(opt.parameters())), OPTIMS["adam"](list(ref.parameters()))
-    for _ in range(3):
-        x = _x()
-        assert _penalized_step(opt, model, o_opt, x) == pytest.approx(
-            _penalized_step(ref, ref, o_ref, x), rel=TOL, abs=TOL
-        )
-        _same_state(opt, ref)
+    _trains_like(opt, model, ref, "adam")
 
 
 @pytest.mark.parametrize("how", ["deepcopy", "torch.load"])
@@ -120,14 +120,7 @@ def test_copies_take_the_penalty(how: str) -> None:
         torch.save(opt, buf)
         buf.seek(0)
         copied = torch.load(buf, weights_only=False)
-    o_opt = OPTIMS["sgd"](list(copied.parameters()))
-    o_ref = OPTIMS["sgd"](list(ref.parameters()))
-    for _ in range(3):
-        x = _x()
-        assert _penalized_step(copied, copied.model, o_opt, x) == pytest.approx(
-            _penalized_step(ref, ref, o_ref, x), rel=TOL, abs=TOL
-        )
-        _same_state(copied, ref)
+    _trains_like(copied, copied.model, ref, "sgd")
 
 
 def test_the_plain_model_trained_directly_takes_the_penalty() -> None:
@@ -221,13 +214,7 @@ def test_optimize_under_inference_mode_then_train(untraceable: bool) -> None:
         x = _x()
         torch.testing.assert_close(opt(x), ref(x), rtol=TOL, atol=TOL)
     assert not any(p.is_inference() for p in [*opt.parameters(), *model.parameters()])
-    o_opt, o_ref = OPTIMS["adam"](list(opt.parameters())), OPTIMS["adam"](list(ref.parameters()))
-    for _ in range(3):
-        x = _x()
-        assert _penalized_step(opt, model, o_opt, x) == pytest.approx(
-            _penalized_step(ref, ref, o_ref, x), rel=TOL, abs=TOL
-        )
-        _same_state(opt, ref)
+    _trains_like(opt, model, ref, "adam")
 
 
 def test_counting_the_plain_models_kernels_leaves_the_flat_gradients() -> None:
