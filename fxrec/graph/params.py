@@ -30,8 +30,11 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.hooks import RemovableHandle
+
+from fxrec.graph.effects import has_hooks
 
 logger = logging.getLogger(__name__)
 
@@ -567,11 +570,26 @@ class FusedParameters(nn.Module):
 
     def views(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """Each laid-out parameter of ``model`` by name, as a view of its flat parameter."""
+        where = self.locate()
+        held = [
+            (name, where[id(p)])
+            for name, p in model.named_parameters(remove_duplicate=False)
+            if id(p) in where and where[id(p)][2].tensor is p
+        ]
+        counts: dict[str, int] = {}
+        for _, (flat, _, _) in held:
+            counts[flat] = counts.get(flat, 0) + 1
+        pieces = {
+            flat: _split(getattr(self, flat), *self._members[flat])
+            for flat, n in counts.items()
+            if _split_whole(len(self._members[flat][1]), n)
+        }
         out: dict[str, torch.Tensor] = {}
-        for name, p in model.named_parameters(remove_duplicate=False):
-            view = self.view_of(p)
-            if view is not None:
-                out[name] = view
+        for name, (flat, how, m) in held:
+            split = pieces.get(flat)
+            out[name] = (
+                split[m.index] if split is not None else _member_slice(getattr(self, flat), how, m)
+            )
         return out
 
     def lookup(self, how: str, tensors: Sequence[torch.Tensor]) -> str | None:
@@ -767,48 +785,114 @@ class ParamStore:
             return 0
         where = self.owner.locate()
         graph = self.gm.graph
-        n = 0
-        for node in list(graph.nodes):
+        reads: list[tuple[fx.Node, list[tuple[str, torch.Tensor]]]] = []
+        for node in graph.nodes:
             if node.op == "call_module":
-                n += self._rebind_module_call(node, where)
+                mod = self.gm.get_submodule(node.target)
+                held = [
+                    (name, p)
+                    for name, p in mod.named_parameters(remove_duplicate=False)
+                    if id(p) in where
+                ]
+                if held:
+                    reads.append((node, held))
                 continue
             t = self._owned_tensor(node)
-            if t is None or id(t) not in where or node.target.startswith(OWNER_ATTR + "."):
-                continue
+            if t is not None and id(t) in where and not node.target.startswith(OWNER_ATTR + "."):
+                reads.append((node, [("", t)]))
+        if not reads:
+            return 0
+        counts: dict[str, int] = {}
+        for _, held in reads:
+            for _, p in held:
+                counts[where[id(p)][0]] = counts.get(where[id(p)][0], 0) + 1
+        views = _FlatViews(
+            self, {n: _split_whole(len(self.owner._members[n][1]), c) for n, c in counts.items()}
+        )
+        for node, held in reads:
             with graph.inserting_before(node):
-                view = self._flat_view(where[id(t)])
-            view.meta.update(node.meta)
-            node.replace_all_uses_with(view)
+                if node.op == "call_module":
+                    args = {name: views.of(where[id(p)]) for name, p in held}
+                    new = self._call_with(node, args)
+                else:
+                    new = views.of(where[id(held[0][1])])
+            new.meta.update(node.meta)
+            node.replace_all_uses_with(new)
             graph.erase_node(node)
-            n += 1
-        return n
+        return len(reads)
 
-    def _flat_view(self, loc: tuple[str, str, _Member]) -> fx.Node:
-        """Nodes reading one member as a view of its flat tensor (at the insert point)."""
-        name, how, m = loc
+    def _call_with(self, node: fx.Node, params: dict[str, fx.Node]) -> fx.Node:
+        """``node``'s module called with ``params`` (views) in place of its own: the layer's
+        functional op for a plain ``nn.Linear`` / ``nn.LayerNorm`` without hooks (the common
+        case, a few microseconds), else ``torch.func.functional_call`` (about 20 more)."""
+        graph = self.gm.graph
+        mod = self.gm.get_submodule(node.target)
+        plain = len(node.args) == 1 and not node.kwargs and not has_hooks(mod)
+        if plain and type(mod) in (nn.Linear, nn.LayerNorm):
+
+            def param(name: str) -> fx.Node | None:
+                if name in params:
+                    return params[name]
+                held = getattr(mod, name)
+                return None if held is None else graph.get_attr(f"{node.target}.{name}")
+
+            w, b = param("weight"), param("bias")
+            if type(mod) is nn.Linear:
+                return graph.call_function(F.linear, (node.args[0], w, b))
+            shape = tuple(mod.normalized_shape)
+            return graph.call_function(F.layer_norm, (node.args[0], shape, w, b, mod.eps))
+        module = graph.get_attr(node.target)
+        return graph.call_function(
+            torch.func.functional_call, (module, params, tuple(node.args), dict(node.kwargs))
+        )
+
+    def flat_node(self, name: str) -> fx.Node:
+        """A ``get_attr`` of the owner's flat tensor ``name`` (at the insert point)."""
         if not hasattr(self.gm, OWNER_ATTR):
             self.gm.add_submodule(OWNER_ATTR, self.owner)
-        graph = self.gm.graph
-        flat = graph.get_attr(f"{OWNER_ATTR}.{name}")
-        if how == "stack":
-            return graph.call_function(operator.getitem, (flat, m.index))
-        return graph.call_method("narrow", (flat, 0, m.offset, m.tensor.shape[0]))
+        return self.gm.graph.get_attr(f"{OWNER_ATTR}.{name}")
 
-    def _rebind_module_call(self, node: fx.Node, where: dict[int, tuple[str, str, _Member]]) -> int:
-        mod = self.gm.get_submodule(node.target)
-        held = [
-            (name, p) for name, p in mod.named_parameters(remove_duplicate=False) if id(p) in where
-        ]
-        if not held:
-            return 0
-        graph = self.gm.graph
-        with graph.inserting_before(node):
-            module = graph.get_attr(node.target)
-            views = {name: self._flat_view(where[id(p)]) for name, p in held}
-            call = graph.call_function(
-                torch.func.functional_call, (module, views, tuple(node.args), dict(node.kwargs))
-            )
-        call.meta.update(node.meta)
-        node.replace_all_uses_with(call)
-        graph.erase_node(node)
-        return 1
+
+def _split_whole(members: int, reads: int) -> bool:
+    """Read ``reads`` of a flat tensor's ``members`` through ONE split of it (``unbind`` /
+    ``split``) rather than one view each? Each view's backward (``select``, ``narrow``) is a zero-filled
+    gradient of the WHOLE flat tensor plus its accumulation: two kernels and a flat tensor's
+    traffic per member read. A split's backward is one ``stack`` / ``cat``; its forward makes
+    a view of every member, so it pays once a quarter of them are read."""
+    return reads > 1 and 4 * reads >= members
+
+
+def _split(flat: torch.Tensor, how: str, members: list[_Member]) -> Sequence[torch.Tensor]:
+    """Every member's part of ``flat``, by one op."""
+    if how == "stack":
+        return flat.unbind(0)
+    return flat.split([m.tensor.shape[0] for m in members])
+
+
+class _FlatViews:
+    """Members' views of their flat tensors for one graph: each flat tensor split once (at its
+    first read, which precedes the others) where :func:`_split_whole` says so."""
+
+    def __init__(self, store: ParamStore, whole: dict[str, bool]) -> None:
+        self.store = store
+        self.whole = whole
+        self.split: dict[str, fx.Node] = {}
+
+    def of(self, loc: tuple[str, str, _Member]) -> fx.Node:
+        name, how, m = loc
+        graph = self.store.gm.graph
+        if not self.whole.get(name):
+            flat = self.store.flat_node(name)
+            if how == "stack":
+                return graph.call_function(operator.getitem, (flat, m.index))
+            return graph.call_method("narrow", (flat, 0, m.offset, m.tensor.shape[0]))
+        pieces = self.split.get(name)
+        if pieces is None:
+            flat = self.store.flat_node(name)
+            if how == "stack":
+                pieces = graph.call_method("unbind", (flat, 0))
+            else:
+                sizes = [x.tensor.shape[0] for x in self.store.owner._members[name][1]]
+                pieces = graph.call_method("split", (flat, sizes))
+            self.split[name] = pieces
+        return graph.call_function(operator.getitem, (pieces, m.index))
