@@ -89,14 +89,36 @@ def has_kernel(device_type: str) -> bool:
 class FbgemmGroupMeta:
     """The op's static per-feature description of one group (tensors built once per device)."""
 
-    def __init__(self, row_offsets: Sequence[int], dim: int, num_rows: int) -> None:
+    def __init__(
+        self,
+        row_offsets: Sequence[int],
+        dim: int,
+        num_rows: int,
+        member_rows: Sequence[int],
+        names: Sequence[str] = (),
+    ) -> None:
         self.dim = dim
         self.num_members = len(row_offsets)
         self.total_dim = dim * self.num_members
         self.total_hash_size_bits = int(math.log2(float(num_rows)) + 1) if num_rows else 0
         self._row_offsets = list(row_offsets)
         self._num_rows = num_rows
+        self.member_rows = list(member_rows)
+        self.names = tuple(names)  # each member's name, for the error of an id out of range
         self._tensors: dict[torch.device, tuple[torch.Tensor, ...]] = {}
+        self._rows: dict[torch.device, torch.Tensor | None] = {}
+
+    def rows(self, device: torch.device) -> torch.Tensor | None:
+        """Each member's table rows where tables are shared (see :func:`pooled_lookup`)."""
+        if device not in self._rows:
+            shared = not _distinct_tables(self._row_offsets, self._num_rows, self.member_rows)
+            with torch.inference_mode(False):
+                self._rows[device] = (
+                    torch.tensor(self.member_rows, dtype=torch.long, device=device)
+                    if shared
+                    else None
+                )
+        return self._rows[device]
 
     def tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         t = self._tensors.get(device)
@@ -144,8 +166,17 @@ def lookup(
         meta.total_hash_size_bits,
         mode,
         per_sample_weights,
+        names=meta.names,
         check_ids=False,  # the collection checks every id before any lookup
+        rows=meta.rows(weight.device),
     )
+
+
+def _distinct_tables(starts: Sequence[int], num_rows: int, rows: Sequence[int]) -> bool:
+    """Does each member read a table of its own, in order (so that ``hash_size_cumsum``,
+    the starts then ``num_rows``, gives each member's rows by differences)?"""
+    ends = [*starts[1:], num_rows]
+    return all(e - s == r for s, e, r in zip(starts, ends, rows))
 
 
 def pooled_lookup(
@@ -162,6 +193,7 @@ def pooled_lookup(
     per_sample_weights: torch.Tensor | None = None,
     names: Sequence[str] = (),
     check_ids: bool = True,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`lookup` with the group's description as tensors and ints.
 
@@ -169,20 +201,31 @@ def pooled_lookup(
     :class:`FbgemmGroupMeta`); ``weights_offsets`` is each member's first element in the
     flattened ``weight``, ``hash_size_cumsum`` each member's first row then the total rows.
     ``names`` name the members in the error of an id outside its table; ``check_ids=False``
-    skips the device check for callers that validated the ids already.
+    skips the id checks for callers that validated the ids already.
+
+    ``rows``: each member's table rows, given where members share a table (a table looked up
+    twice, a table read by several features). Their ``hash_size_cumsum`` entries repeat, so
+    the op's own bounds check sees tables of 0 or negative rows and lets ids outside a table
+    read another table's rows: such groups are checked here, before the lookup.
     """
     pooling = _POOLING[mode]
     if per_sample_weights is not None and mode == "mean":
         lengths = offsets[1:] - offsets[:-1]
         sizes = torch.repeat_interleave(lengths, lengths, output_size=ids.numel())
-        per_sample_weights = per_sample_weights / sizes.to(per_sample_weights.dtype)
+        # in float32, which the op takes: dividing in float16/bfloat16 first would round twice
+        per_sample_weights = per_sample_weights.float() / sizes.float()
         pooling = _POOLING["sum"]
     if ids.dtype not in (torch.int32, torch.int64):
         ids = ids.long()
     if offsets.dtype != ids.dtype:
         offsets = offsets.to(ids.dtype)
-    if check_ids and ids.device.type != "cpu" and validation_enabled():
-        check_on_device(hash_size_cumsum, ids, offsets, names)
+    if check_ids and validation_enabled():
+        if ids.device.type != "cpu":
+            check_on_device(_member_rows(hash_size_cumsum, rows), ids, offsets, names)
+        elif rows is not None:  # the op's own check does not see shared tables
+            err = out_of_range(rows, ids, offsets, names)
+            if err is not None:
+                raise err
     try:
         return torch.ops.fbgemm.dense_embedding_codegen_lookup_function(
             dev_weights=weight.view(-1),
@@ -200,37 +243,39 @@ def pooled_lookup(
             output_dtype=0,
         )
     except RuntimeError as exc:
-        err = out_of_range(hash_size_cumsum, ids, offsets, names)
+        err = out_of_range(_member_rows(hash_size_cumsum, rows), ids, offsets, names)
         if err is None:
             raise
         raise err from exc
 
 
 def check_on_device(
-    hash_size_cumsum: torch.Tensor,
+    rows: torch.Tensor,
     ids: torch.Tensor,
     offsets: torch.Tensor,
     names: Sequence[str] = (),
 ) -> None:
-    """Assert on the device, without a sync, that every id lies in its own table.
+    """Assert on the device, without a sync, that every id lies in its own table (``rows``:
+    each member's table rows).
 
     Not fbgemm's ``bounds_check_indices``: it lets ``-1`` through (its mark of a pruned row),
     which the separate lookup refuses.
     """
-    member, rows = _tables_of_ids(hash_size_cumsum, ids, offsets)
+    member = _tables_of_ids(rows, ids, offsets)
     ok = torch.logical_and(ids >= 0, ids < rows[member]).all()
     listed = ", ".join(names) or f"{rows.numel()} tables"
     torch._assert_async(ok, f"embedding id out of range in a table-batched lookup of {listed}")
 
 
 def out_of_range(
-    hash_size_cumsum: torch.Tensor,
+    rows: torch.Tensor,
     ids: torch.Tensor,
     offsets: torch.Tensor,
     names: Sequence[str],
 ) -> IndexError | None:
-    """The error naming the first id outside its own table, or None if there is none."""
-    member, rows = _tables_of_ids(hash_size_cumsum, ids, offsets)
+    """The error naming the first id outside its own table (``rows``: each member's table
+    rows), or None if there is none."""
+    member = _tables_of_ids(rows, ids, offsets)
     bad = torch.nonzero((ids < 0) | (ids >= rows[member]))
     if bad.numel() == 0:
         return None
@@ -240,12 +285,15 @@ def out_of_range(
     return out_of_range_error(name, int(ids[pos]), int(rows[m]))
 
 
-def _tables_of_ids(
-    hash_size_cumsum: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each id's table and each table's rows: bags are ``(table, row)``-major, ``B`` per table."""
-    rows = hash_size_cumsum[1:] - hash_size_cumsum[:-1]
+def _member_rows(hash_size_cumsum: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """Each member's table rows: ``rows`` where given, else (members reading distinct tables
+    in order) the differences of ``hash_size_cumsum``."""
+    return hash_size_cumsum[1:] - hash_size_cumsum[:-1] if rows is None else rows
+
+
+def _tables_of_ids(rows: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Each id's member: bags are ``(member, row)``-major, ``B`` per member."""
     bags = offsets.numel() - 1
     per_bag = torch.arange(bags, device=ids.device) // max(bags // max(rows.numel(), 1), 1)
     lengths = (offsets[1:] - offsets[:-1]).long()
-    return torch.repeat_interleave(per_bag, lengths, output_size=ids.numel()), rows
+    return torch.repeat_interleave(per_bag, lengths, output_size=ids.numel())

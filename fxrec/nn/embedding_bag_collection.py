@@ -438,8 +438,14 @@ class EmbeddingBagCollection(nn.Module):
             offs = [m.row_offset for m in self._members_group_major]
             return torch.tensor(offs, dtype=torch.long, device=device)
         g = self._layout.groups[gi]
-        offs = [self._layout.members[mi].row_offset for mi in g.members]
-        return _fbgemm.FbgemmGroupMeta(offs, g.dim, g.num_rows)
+        members = [self._layout.members[mi] for mi in g.members]
+        return _fbgemm.FbgemmGroupMeta(
+            [m.row_offset for m in members],
+            g.dim,
+            g.num_rows,
+            [m.num_embeddings for m in members],
+            [f"{m.feature} (table {m.table_name})" for m in members],
+        )
 
 
 def _runs(layout: Layout) -> list[tuple[int, int, int]]:

@@ -38,7 +38,8 @@ separate lookup raised. Eagerly on CPU that is two kernels (a ``clamp`` into eac
 range, an ``equal`` with the ids) and one host read, raising an ``IndexError`` naming the
 member; compiled graphs and other devices assert on the device
 (:func:`fxrec.nn.functional.check_member_ids`). fbgemm's CPU table-batched lookup checks
-each table's ids itself.
+each table's ids itself, except where members share a table (a table looked up twice): the
+lookup then checks them first (``pooled_lookup``'s ``rows``).
 
 No size taken from the input (batch, number of ids) is baked into the rewritten graph.
 Tables that cannot be laid out once (``keep_params``, graph inputs) would be concatenated
@@ -550,7 +551,7 @@ class FuseParallelLookups(HorizontalRule):
 
     def _fuse_tbe(self, group: Sequence[fx.Node], lks: list[Lookup], ctx: RewriteContext) -> None:
         """One fbgemm table-batched lookup; bags ``(member, row)``-major, one after another."""
-        from fxrec.nn._fbgemm import pooled_lookup
+        from fxrec.nn._fbgemm import _distinct_tables, pooled_lookup
 
         n = len(group)
         w, starts = self._table(ctx, lks)
@@ -572,6 +573,10 @@ class FuseParallelLookups(HorizontalRule):
         ends = ctx.call(torch.cumsum, (lens, 0), {"dtype": ii.dtype})
         offsets = ctx.call(F.pad, (ends, (1, 0)))
         i64 = meta.TensorInfo.of(torch.empty(0, dtype=torch.int64, device=ii.device))
+        member_rows = _rows(ctx, lks)
+        shared = None  # a table looked up twice: the op's own id check cannot see its rows
+        if not _distinct_tables(starts, rows, member_rows):
+            shared = _offsets_buffer(ctx, member_rows, i64)
         psw = None
         if lks[0].per_sample_weights is not None:
             psw = ctx.call(
@@ -593,6 +598,8 @@ class FuseParallelLookups(HorizontalRule):
                 lks[0].mode,
                 psw,
                 _names(group, lks),
+                True,
+                shared,
             ),
             infer=False,
         )

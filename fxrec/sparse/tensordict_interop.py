@@ -246,13 +246,14 @@ def _split_weighted(key: str, e: Any) -> tuple[Any, Any]:
         store = getattr(e, "_tensordict", None)  # plain dict: no per-get checks
         if isinstance(store, dict) and "values" in store and "weights" in store:
             return store["values"], store["weights"]
-        try:
-            return e.get("values"), e.get("weights")
-        except KeyError:
+        keys = set(e.keys())  # (``get`` of a missing key gives None in newer tensordict)
+        if not {"values", "weights"} <= keys:
             raise ValueError(
-                f"feature {key!r}: a weighted feature must be a sub-TensorDict "
-                f'{{"values": ids_njt, "weights": weights_njt}}; got keys {list(e.keys())}.'
-            ) from None
+                f"feature {key!r}: a sub-TensorDict entry is a weighted feature, "
+                f'{{"values": ids_njt, "weights": weights_njt}}; got keys {sorted(map(str, keys))}. '
+                "Nested groups of features are not read: give each feature a top-level key."
+            )
+        return e.get("values"), e.get("weights")
     return e, None
 
 

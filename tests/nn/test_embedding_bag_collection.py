@@ -4,13 +4,16 @@ lookup per group; per-table checkpoints; sparse gradients."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from tensordict import TensorDict
 
 from fxrec.measure import count_kernels
 from fxrec.nn import EmbeddingBagCollection, EmbeddingBagConfig
-from fxrec.sparse import JaggedTensor, KeyedJaggedTensor, kjt_to_tensordict
+from fxrec.nn._fbgemm import has_kernel
+from fxrec.sparse import JaggedTensor, KeyedJaggedTensor, kjt_to_tensordict, validation_disabled
 from tests.nn.helpers import check_against_reference, mixed_tables, random_kjt, table_grads
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*an autograd kernel was not registered")
@@ -349,6 +352,56 @@ def test_per_sample_weights_of_another_float_dtype(backend: str, sparse: bool) -
     torch.testing.assert_close(out, ebc(kjt).values())
     out.sum().backward()
     assert w64.grad is not None and w64.grad.dtype == torch.float64
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_weights_pool_as_their_float32_values(
+    backend: str, dtype: torch.dtype
+) -> None:
+    """Weighted mean divides the weights by the bag size in float32 on every path, as if
+    they had been converted first (fbgemm's path divided in their own dtype: errors of 1e-4
+    in outputs and 4e-3 in gradients with bfloat16)."""
+    tables = [t for t in mixed_tables() if t.pooling != "max"]
+    ebc = EmbeddingBagCollection(tables, is_weighted=True, backend=backend)
+    kjt = random_kjt(ebc, 16, _gen(3), weighted=True)
+    low = kjt.weights().to(dtype)
+    grad = None
+    results = []
+    for w in (low, low.float()):
+        out = ebc(KeyedJaggedTensor(kjt.keys(), kjt.values(), w, lengths=kjt.lengths())).values()
+        grad = torch.randn_like(out, generator=_gen(4)) if grad is None else grad
+        ebc.zero_grad()
+        (out * grad).sum().backward()
+        results.append((out, {k: g.clone() for k, g in ebc.table_grads().items()}))
+    (out_low, grads_low), (out_exact, grads_exact) = results
+    torch.testing.assert_close(out_low, out_exact, rtol=0, atol=0)
+    for name in grads_exact:
+        torch.testing.assert_close(grads_low[name], grads_exact[name], rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.skipif(not has_kernel("cpu"), reason="fbgemm's CPU lookup is not installed")
+@pytest.mark.parametrize(
+    ("feature", "bad", "table", "rows"), [("b", 7, "t1", 7), ("c", 9, "t1", 7)]
+)
+def test_fbgemm_error_names_the_feature_with_validation_off(
+    feature: str, bad: int, table: str, rows: int
+) -> None:
+    """With validation off, fbgemm's own check is the only one: its error names the feature
+    and its table's rows, also for a table read by several features (whose members share
+    row offsets)."""
+    tables = [
+        EmbeddingBagConfig("t0", 10, 4, ["a"]),
+        EmbeddingBagConfig("t1", 7, 4, ["b", "c"]),
+        EmbeddingBagConfig("t3", 5, 4, ["x"]),
+    ]
+    ebc = EmbeddingBagCollection(tables, backend="fbgemm")
+    keys = ["a", "b", "c", "x"]
+    ids = torch.zeros(4, dtype=torch.long)
+    ids[keys.index(feature)] = bad
+    expected = f"'{feature} (table {table})': id {bad} is out of range for its table of {rows} rows"
+    with validation_disabled(), pytest.raises(IndexError, match=re.escape(expected)):
+        ebc(KeyedJaggedTensor(keys, ids, lengths=torch.ones(4, dtype=torch.long)))
 
 
 def test_meta_collection_loads_a_checkpoint_with_assign() -> None:

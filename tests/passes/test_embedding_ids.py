@@ -212,6 +212,41 @@ def test_eager_edge_ids_are_accepted(name: str) -> None:
         torch.testing.assert_close(opt(*spoiled), ref(*spoiled))
 
 
+@functools.cache
+def _fbgemm_shared() -> tuple[nn.Module, tuple]:
+    xs = MixedBags.inputs(4)(BATCH)
+    opt = fxrec.optimize(MixedBags(4, shared=True), xs, rules=list(WITH_FBGEMM))
+    assert any("fbgemm" in f.detail for f in opt.fxrec_report.firings)
+    return opt, xs
+
+
+@needs_fbgemm
+@given(member=st.integers(0, 3), over=st.integers(0, 10**6), negative=st.booleans())
+def test_fbgemm_lookup_of_a_shared_table_checks_each_members_ids(
+    member: int, over: int, negative: bool
+) -> None:
+    """The last member looks up the first member's table (10 rows) again: fbgemm's own check
+    sees no rows for such members and let an id past a table read another table's row."""
+    opt, xs = _fbgemm_shared()
+    table = 0 if member == 3 else member
+    value = _bad_value(table, over, negative)
+    spoiled = copy.deepcopy(xs)
+    spoiled[0][member][1, 0] = value
+    expected = f"'t.{table}': id {value} is out of range for its table of {10 + table} rows"
+    _raises(IndexError, re.escape(expected), functools.partial(opt, *spoiled))
+
+
+@needs_fbgemm
+def test_fbgemm_lookup_of_a_shared_table_accepts_edge_ids() -> None:
+    opt, xs = _fbgemm_shared()
+    ref = MixedBags(4, shared=True)
+    ref.load_state_dict(opt.state_dict())
+    for m, value in ((0, 9), (1, 10), (2, 11), (3, 9)):
+        xs = copy.deepcopy(xs)
+        xs[0][m][:, 0] = value
+    torch.testing.assert_close(opt(*xs), ref(*xs))
+
+
 # -- graphs compiled further -------------------------------------------------------------------
 def _optimized(case: Case, backend: str, xs: tuple) -> fxrec.OptimizedModule:
     """``fxrec.optimize`` with its graphs compiled further by ``backend``."""
@@ -376,15 +411,15 @@ def test_check_stays_one_node_under_symbolic_tracing() -> None:
 @needs_fbgemm
 def test_fbgemm_device_check_and_error_name_the_member() -> None:
     """The check fbgemm's lookup runs off CPU, and the error naming a member, run on CPU."""
-    hash_size_cumsum = torch.tensor([0, 10, 21])
+    rows = torch.tensor([10, 11])
     offsets = torch.tensor([0, 1, 3, 4, 6])  # 2 members x 2 bags
     good = torch.tensor([9, 0, 1, 10, 0, 3])
-    _fbgemm.check_on_device(hash_size_cumsum, good, offsets)
-    assert _fbgemm.out_of_range(hash_size_cumsum, good, offsets, ("a", "b")) is None
+    _fbgemm.check_on_device(rows, good, offsets)
+    assert _fbgemm.out_of_range(rows, good, offsets, ("a", "b")) is None
     for pos, value, name in ((2, 10, "a"), (4, 11, "b"), (0, -1, "a")):
         bad = good.clone()
         bad[pos] = value
         with pytest.raises(RuntimeError):
-            _fbgemm.check_on_device(hash_size_cumsum, bad, offsets)
-        err = _fbgemm.out_of_range(hash_size_cumsum, bad, offsets, ("a", "b"))
+            _fbgemm.check_on_device(rows, bad, offsets)
+        err = _fbgemm.out_of_range(rows, bad, offsets, ("a", "b"))
         assert isinstance(err, IndexError) and f"'{name}': id {value} " in str(err)

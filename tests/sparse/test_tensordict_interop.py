@@ -117,6 +117,9 @@ def test_bad_entries_raise_naming_the_feature() -> None:
     )
     with pytest.raises(ValueError, match="offsets differ"):
         kjt_from_tensordict(TensorDict({"w": odd_w}, batch_size=[2]))
+    group = TensorDict({"x": good}, batch_size=[2])  # a nested group of features
+    with pytest.raises(ValueError, match=r"feature 'grp': a sub-TensorDict .* got keys \['x'\]"):
+        kjt_from_tensordict(TensorDict({"a": good, "grp": group}, batch_size=[2]))
 
 
 def test_weighted_td_matches_kjt_constructor() -> None:
