@@ -10,8 +10,13 @@ What this guarantees:
 * No guards and no recompiles of fxrec's own: the rules run after dynamo has traced and
   guarded the frame, on the graph it hands over, and return a graph with the same inputs
   and outputs. A graph break gives two graphs; each is optimized on its own.
-* Symbolic sizes (``dynamic=True``): rules decide on metadata, and a symbolic size is not
-  a static one, so rules skip such candidates instead of baking a size in.
+* Symbolic sizes (``dynamic=True``, or dynamo's automatic dynamic shapes after a second
+  batch size): rules decide on static sizes, so with the inner backends ``"eager"``,
+  ``"aot_eager"`` and ``"inductor"`` such a graph runs as a copy optimized (and compiled) per
+  concrete signature, built on its first call (second where that compiles), for the first
+  :data:`~fxrec.compile.specialize.MAX_SIGNATURES` signatures (:mod:`fxrec.compile.specialize`);
+  past that, and with other inner backends, rules skip symbolic candidates instead of baking
+  a size in.
 * Parameters arrive as graph inputs (placeholders) when dynamo inlines modules: fused
   weights are then gathered in the graph. ``fxrec.optimize`` passes ``model`` and ``owner``
   so they become ``get_attr`` nodes laid out once instead; the inner backend is then handed
@@ -23,6 +28,7 @@ What this guarantees:
 
 from __future__ import annotations
 
+import copy
 import logging
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
@@ -32,7 +38,9 @@ import torch.fx as fx
 from torch import nn
 from torch.fx.node import map_aggregate
 
+from fxrec.compile.checkpoint import eager_forward, note_unfused
 from fxrec.compile.direct import GraphRecord, graph_sources
+from fxrec.compile.specialize import SizeSymbols, Specialized, drop_example_values
 from fxrec.graph.capture import lift_params_to_attrs, prune_attrs
 from fxrec.graph.effects import comm_kind, is_random
 from fxrec.graph.optimize_graph import RuleSpec, optimize_graph, resolve_rules
@@ -53,7 +61,7 @@ def inner_backend(inner: str | Backend) -> Backend:
     if not isinstance(inner, str):
         raise ValueError(f"inner backend must be a backend name or a callable, not {inner!r}")
     if inner == "eager":
-        return lambda gm, ex: gm.forward
+        return lambda gm, ex: eager_forward(gm)
     if inner == "inductor":
         from torch._inductor.compile_fx import compile_fx
 
@@ -156,6 +164,25 @@ def _without_new_attrs(gm: fx.GraphModule) -> fx.GraphModule:
     return prune_attrs(gm)
 
 
+# Inner backends that can compile a specialized copy on a call's real inputs (AOTAutograd
+# runs inside them, so gradients flow through each copy); an arbitrary callable may expect
+# dynamo's fake inputs and compile context.
+_SPECIALIZING = ("eager", "aot_eager", "inductor")
+
+
+def _size_symbols(gm: fx.GraphModule, inner: str | Backend) -> SizeSymbols | None:
+    """The symbols to specialize ``gm`` on, or None to run it with symbolic sizes.
+
+    Not for graphs with collectives: ranks with different batch sizes would optimize
+    different copies, whose collectives might not match.
+    """
+    if not (isinstance(inner, str) and inner in _SPECIALIZING):
+        return None
+    if any(comm_kind(n) for n in gm.graph.nodes):
+        return None
+    return SizeSymbols.of(gm)
+
+
 def compile_backend(
     inner: str | Backend = "inductor",
     *,
@@ -193,18 +220,41 @@ def compile_backend(
             sources = graph_sources(gm)
             gm, keep = lift_params_to_attrs(gm, example_inputs, model, assigned)
         device = next((t.device.type for t in example_inputs if isinstance(t, torch.Tensor)), "cpu")
-        optimize_graph(
-            gm,
-            rule_list,
-            owner=owner,
-            report=rep,
-            device_type=device,
-            runs_eagerly=eager,
-            for_inductor=inner_is_inductor,
-        )
+        symbols = _size_symbols(gm, inner) if keep is None else None
+        captured = copy.deepcopy(gm.graph) if symbols is not None else None  # before rules
+
+        def optimize(g: fx.GraphModule, specialized_later: bool = False) -> None:
+            optimize_graph(
+                g,
+                rule_list,
+                owner=owner,
+                report=rep,
+                device_type=device,
+                runs_eagerly=eager,
+                for_inductor=inner_is_inductor,
+                specialized_later=specialized_later,
+            )
+
+        optimize(gm, specialized_later=symbols is not None)
+        note_unfused(gm, rep)
         fill_example_values(gm)
         if any(comm_kind(n) for n in gm.graph.nodes):
             backend.communicates = True  # type: ignore[attr-defined]
+        if keep is None and symbols is not None and captured is not None:
+
+            def build(copy_gm: fx.GraphModule, args: list[Any]) -> Callable[..., Any]:
+                optimize(copy_gm)
+                return inner_fn(drop_example_values(copy_gm), args)
+
+            when = "first call" if eager else "second call (the first compiles nothing)"
+            rep.note(
+                "dynamic shapes: graphs with symbolic sizes run as a copy optimized for each "
+                f"concrete signature (batch size), built on its {when}"
+            )
+            fallback = inner_fn(_without_new_attrs(gm), list(example_inputs))
+            return Specialized(
+                captured, gm, symbols, build, fallback, rep, build_on=1 + (not eager)
+            )
         if keep is None:
             return inner_fn(_without_new_attrs(gm), list(example_inputs))
         kept_inputs = [example_inputs[i] for i in keep]

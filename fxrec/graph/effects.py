@@ -25,6 +25,7 @@ __all__ = [
     "needs_contiguous",
     "is_random",
     "member_refusal",
+    "subgraphs",
     "mode_regions",
     "written_in_place",
     "written_target",
@@ -54,6 +55,27 @@ _RANDOM_FUNCTIONS = {
     torch.rrelu,
     F.rrelu,
     F.gumbel_softmax,
+    torch.alpha_dropout,
+    torch.feature_dropout,
+    torch.feature_alpha_dropout,
+}
+# Where dropout-like functions take ``p`` and ``training`` ((position, keyword) or None), and
+# the default of ``training`` (None: required). Calls that do not train, or drop nothing,
+# return their input: no draw.
+_P, _TRAINING, _TRAIN = (1, "p"), (2, "training"), (2, "train")
+_DROPOUT_ARGS: dict[Any, tuple[tuple[int, str] | None, tuple[int, str], bool | None]] = {
+    F.dropout: (_P, _TRAINING, True),
+    F.dropout1d: (_P, _TRAINING, True),
+    F.dropout2d: (_P, _TRAINING, True),
+    F.dropout3d: (_P, _TRAINING, True),
+    F.alpha_dropout: (_P, _TRAINING, False),
+    F.feature_alpha_dropout: (_P, _TRAINING, False),
+    torch.dropout: (_P, _TRAIN, None),
+    torch.alpha_dropout: (_P, _TRAIN, None),
+    torch.feature_dropout: (_P, _TRAIN, None),
+    torch.feature_alpha_dropout: (_P, _TRAIN, None),
+    F.rrelu: (None, (3, "training"), False),  # eval: a fixed slope
+    torch.rrelu: (None, (3, "training"), False),
 }
 # ``t += x`` in a dynamo graph: these write their tensor argument in place.
 _INPLACE_OPERATORS = frozenset(
@@ -120,13 +142,69 @@ def mutates_input(node: fx.Node) -> bool:
 
 
 def is_random(node: fx.Node) -> bool:
-    """True for nodes whose result depends on the RNG (dropout in training, rand_like...)."""
+    """True for nodes whose result depends on the RNG (dropout in training, rand_like...),
+    including calls of sub-graphs that draw (dynamo's activation-checkpointed regions).
+
+    Dropout in eval mode or with ``p=0``, and RReLU in eval mode, draw nothing: they are
+    the identity (a fixed slope), and rules may fuse across them."""
     if node.op == "call_function" and node.target in _RANDOM_FUNCTIONS:
-        return True
+        return not _inactive_draw(node)
     if node.op == "call_method" and node.target in _RANDOM_METHODS:
         return True
+    if node.op == "call_function" and any(_body_draws(b) for b in subgraphs(node)):
+        return True
     mod = _owner_module(node)
-    return isinstance(mod, (nn.modules.dropout._DropoutNd, nn.RReLU))
+    if isinstance(mod, nn.modules.dropout._DropoutNd):
+        return bool(mod.training and mod.p > 0)
+    return isinstance(mod, nn.RReLU) and mod.training
+
+
+def subgraphs(node: fx.Node) -> list[fx.GraphModule]:
+    """The graph modules ``node`` calls: the bodies a higher-order op (dynamo's
+    ``tag_activation_checkpoint``, ``cond``...) takes as ``get_attr`` arguments."""
+    owner = node.graph.owning_module
+    found = []
+    for a in node.args:
+        if isinstance(a, fx.Node) and a.op == "get_attr" and owner is not None:
+            body = getattr(owner, str(a.target), None)
+            if isinstance(body, fx.GraphModule):
+                found.append(body)
+    return found
+
+
+def _body_draws(body: fx.GraphModule) -> bool:
+    return any(is_random(n) for n in body.graph.nodes)
+
+
+def _identity_dropout(node: fx.Node) -> bool:
+    """A dropout call (function or module) that returns its input as is (eval mode, or
+    ``p=0``): its result shares the input's memory."""
+    if node.op == "call_function":
+        where = _DROPOUT_ARGS.get(node.target)
+        return where is not None and where[0] is not None and _inactive_draw(node)  # no rrelu
+    mod = _owner_module(node)
+    return isinstance(mod, nn.modules.dropout._DropoutNd) and not (mod.training and mod.p > 0)
+
+
+def _inactive_draw(node: fx.Node) -> bool:
+    """Is this dropout (or rrelu) call told not to draw: ``training`` False, or ``p`` 0?
+    Arguments that are not constants (graph values) count as drawing."""
+    where = _DROPOUT_ARGS.get(node.target)
+    if where is None:
+        return False
+    p_at, train_at, train_default = where
+
+    def arg(at: tuple[int, str] | None, default: Any) -> Any:
+        if at is None:
+            return default
+        pos, name = at
+        return node.args[pos] if len(node.args) > pos else node.kwargs.get(name, default)
+
+    training = arg(train_at, train_default)
+    p = arg(p_at, 0.5)
+    if training is False:
+        return True
+    return training is True and isinstance(p, (int, float)) and not isinstance(p, bool) and p == 0
 
 
 def has_side_effects(node: fx.Node) -> bool:
@@ -194,7 +272,9 @@ def _is_view(node: fx.Node) -> bool:
     """May ``node``'s result share memory with its first input?"""
     if node.op == "call_method":
         return node.target in _VIEW_METHODS
-    return node.op == "call_function" and node.target in _VIEW_FUNCTIONS
+    if node.op == "call_function" and node.target in _VIEW_FUNCTIONS:
+        return True
+    return _identity_dropout(node)
 
 
 def view_bases(node: fx.Node) -> list[fx.Node]:

@@ -104,6 +104,7 @@ def optimize_graph(
     device_type: str = "cpu",
     runs_eagerly: bool = False,
     for_inductor: bool = False,
+    specialized_later: bool = False,
 ) -> Report:
     """Run ``rules`` on ``gm`` in place to a fixed point; return the report.
 
@@ -117,6 +118,8 @@ def optimize_graph(
     and the report says what failed: optimizing never crashes a model it does not understand.
     ``report.seconds`` grows by the time of the rule passes (search and rewrites, to the
     fixed point); the snapshot, lint and recompile around them are not part of it.
+    ``specialized_later``: a graph with symbolic sizes whose caller optimizes a copy per
+    concrete signature too (no note that symbolic sizes stay unfused).
     """
     report = report if report is not None else Report()
     t0 = time.perf_counter()
@@ -127,7 +130,7 @@ def optimize_graph(
         )
     report.nodes_before += before
     report.nodes_after += len(gm.graph.nodes)
-    if _symbolic_inputs(gm):
+    if not specialized_later and _symbolic_inputs(gm):
         note = (
             "dynamic shapes: rules need static sizes, so graphs with symbolic ones are left "
             "as written (compile with dynamic=False to let fxrec fuse)"

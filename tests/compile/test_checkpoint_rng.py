@@ -1,0 +1,175 @@
+"""Activation checkpointing around dropout, captured by dynamo and run eagerly.
+
+Dynamo captures ``torch.utils.checkpoint.checkpoint`` as a ``tag_activation_checkpoint`` node
+whose eager implementation recomputes the region in backward without restoring the RNG state:
+the recomputation drew another dropout mask, so gradients differed from the model's while
+outputs matched. Training through ``fxrec.optimize`` or ``compile_backend("eager")`` must
+follow the plain model step by step with the same seeds. Rules leave the regions as written,
+and the report says how many nodes that left unfused.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import fxrec
+from fxrec.compile.checkpoint import checkpoint_nodes, checkpointed, keep_rng, note_unfused
+from fxrec.graph.effects import is_random
+from fxrec.graph.report import Report
+from tests.compile.helpers import dynamo_graph
+
+TOL = 1e-5
+
+
+class CheckpointedTowers(nn.Module):
+    """Parallel towers with dropout, checkpointed as one region, then a head."""
+
+    def __init__(self, reentrant: bool, towers: int = 3, nested: bool = False) -> None:
+        super().__init__()
+        self.reentrant, self.nested = reentrant, nested
+        self.towers = nn.ModuleList(
+            nn.Sequential(nn.Linear(16, 12), nn.ReLU(), nn.Dropout(0.3), nn.Linear(12, 4))
+            for _ in range(towers)
+        )
+        self.head = nn.Linear(4 * towers, 1)
+
+    def block(self, x: torch.Tensor) -> torch.Tensor:
+        if self.nested:  # the first tower in a region of its own, inside the outer one
+            first = checkpoint(self.towers[0], x, use_reentrant=self.reentrant)
+            return torch.cat([first, *(t(x) for t in self.towers[1:])], 1)
+        return torch.cat([t(x) for t in self.towers], 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(checkpoint(self.block, x, use_reentrant=self.reentrant))
+
+
+def _optimized(model: nn.Module, x: torch.Tensor) -> tuple[nn.Module, Callable[[], dict]]:
+    opt = fxrec.optimize(model, (x,))
+    return opt, lambda: opt.fxrec_fused.grads(model)
+
+
+def _compiled(model: nn.Module, x: torch.Tensor) -> tuple[nn.Module, Callable[[], dict]]:
+    compiled = torch.compile(model, backend=fxrec.compile_backend("eager"), dynamic=False)
+    return compiled, lambda: {n: p.grad for n, p in model.named_parameters()}
+
+
+ENTRY_POINTS = {"optimize": _optimized, "compile_backend_eager": _compiled}
+
+
+def _step(module: nn.Module, optim: torch.optim.Optimizer, x: torch.Tensor, seed: int) -> Any:
+    optim.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)  # the same dropout masks for both, if both draw alike
+    out = module(x)
+    out.pow(2).mean().backward()
+    return out.detach()
+
+
+def _trains_like_plain(model: nn.Module, entry: str) -> None:
+    """Three SGD steps: outputs, every parameter's gradient, and the parameters after each
+    step equal the plain model's on fresh inputs with the same seeds."""
+    ref = copy.deepcopy(model)
+    x = torch.randn(8, 16, requires_grad=True)
+    run, grads = ENTRY_POINTS[entry](model, x)
+    o_run = torch.optim.SGD(run.parameters(), lr=0.5)
+    o_ref = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for seed in range(3):
+        x = torch.randn(8, 16, requires_grad=True)
+        got, want = _step(run, o_run, x, seed), _step(ref, o_ref, x, seed)
+        torch.testing.assert_close(got, want, rtol=TOL, atol=TOL)
+        got_grads = grads()
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(got_grads[name], p.grad, rtol=TOL, atol=TOL, msg=name)
+        o_run.step()
+        o_ref.step()
+        state = run.state_dict()
+        for name, p in ref.state_dict().items():
+            key = name if name in state else f"_orig_mod.{name}"  # torch.compile's wrapper
+            torch.testing.assert_close(state[key], p, rtol=TOL, atol=TOL, msg=name)
+
+
+@pytest.mark.parametrize("entry", sorted(ENTRY_POINTS))
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_checkpointed_dropout_trains_like_the_plain_model(entry: str, reentrant: bool) -> None:
+    _trains_like_plain(CheckpointedTowers(reentrant), entry)
+
+
+@pytest.mark.parametrize("entry", sorted(ENTRY_POINTS))
+def test_nested_checkpointed_dropout_trains_like_the_plain_model(entry: str) -> None:
+    _trains_like_plain(CheckpointedTowers(False, nested=True), entry)
+
+
+def test_a_region_with_dropout_draws_and_keeps_its_rng() -> None:
+    """Randomness inside a region is seen through the higher-order op's body; only regions
+    that draw are rewritten (an eval-mode region is left to the op)."""
+    x = torch.randn(4, 16, requires_grad=True)
+    gm, _ = dynamo_graph(CheckpointedTowers(False), x)
+    (region,) = checkpoint_nodes(gm.graph)
+    assert is_random(region)
+    assert keep_rng(gm) == 1 and region.target is checkpointed
+    assert any(is_random(n) for n in gm.graph.nodes)  # still seen as drawing once rewritten
+
+    gm, _ = dynamo_graph(CheckpointedTowers(False).eval(), x)
+    (region,) = checkpoint_nodes(gm.graph)
+    assert not is_random(region)
+    assert keep_rng(gm) == 0 and region.target is not checkpointed
+
+
+def test_the_backend_knows_a_checkpointed_graph_draws() -> None:
+    be = fxrec.compile_backend("eager")
+    torch.compile(CheckpointedTowers(True), backend=be)(torch.randn(4, 16))
+    assert be.draws
+
+
+class CheckpointedNorms(nn.Module):
+    """Parallel LayerNorm + tanh over slices: fused outside a region, left alone inside."""
+
+    def __init__(self, ck: bool, n: int = 4, d: int = 8) -> None:
+        super().__init__()
+        self.ck, self.d = ck, d
+        self.norms = nn.ModuleList(nn.LayerNorm(d) for _ in range(n))
+        self.head = nn.Linear(n * d, 1)
+
+    def feats(self, x: torch.Tensor) -> torch.Tensor:
+        parts = torch.split(x, self.d, 1)
+        return torch.cat([torch.tanh(n(p)) for p, n in zip(parts, self.norms)], 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(
+            checkpoint(self.feats, x, use_reentrant=False) if self.ck else self.feats(x)
+        )
+
+
+def _unfused_note(report: Report) -> tuple[int, int] | None:
+    for note in report.notes:
+        m = re.search(r"(\d+) nodes inside (\d+) checkpointed region", note)
+        if m:
+            return int(m.group(1)), int(m.group(2))
+    return None
+
+
+def test_the_report_counts_the_nodes_left_inside_checkpointed_regions() -> None:
+    """A split, 4 pieces, 4 LayerNorms, 4 tanh and a cat: 14 nodes left as written."""
+    x = torch.randn(8, 32)
+    opt = fxrec.optimize(CheckpointedNorms(True), (x,))
+    assert _unfused_note(opt.fxrec_report) == (14, 1)
+    assert opt.fxrec_report.count() == 0
+    torch.testing.assert_close(opt(x), opt.model(x))
+    plain = fxrec.optimize(CheckpointedNorms(False), (x,))
+    assert _unfused_note(plain.fxrec_report) is None and plain.fxrec_report.count() > 0
+
+
+def test_note_unfused_counts_nested_regions_once() -> None:
+    x = torch.randn(4, 16)
+    gm, _ = dynamo_graph(CheckpointedTowers(False, nested=True), x)
+    report = Report()
+    # outer body: the inner region's 4 nodes, 2 towers of 4, their cat, the inner getitem
+    assert note_unfused(gm, report) == 4 + 2 * 4 + 1 + 1
+    assert _unfused_note(report) == (14, 1)
