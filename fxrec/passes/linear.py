@@ -18,7 +18,8 @@ Two rules, one per shape of parallelism:
 * ``parallel_linear_batched``: N Linears on same-shaped 2-D inputs (next layers of parallel
   towers, experts, task towers) become one ``torch.baddbmm`` over ``(N, B, in)`` with the
   weights laid out once as ``(N, out, in)``. Inputs that are consecutive pieces of one tensor
-  are read through a view (``unflatten`` + ``transpose``); separate inputs are stacked. The
+  are read through a view (``unflatten`` + ``transpose``); separate inputs are stacked (on a
+  CPU only while each is small: :func:`fxrec.graph.cost.stacked_inputs_reason`). The
   result is handed back as ``unbind(0)`` pieces of the contiguous ``(N, B, out)`` result, the
   layout in which the next LayerNorm / activation / batched Linear of the towers run over
   contiguous memory without a copy (they recognise unbind pieces).
@@ -44,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fxrec.graph import meta
-from fxrec.graph.cost import inductor_on_cpu
+from fxrec.graph.cost import inductor_on_cpu, stacked_inputs_reason
 from fxrec.graph.effects import member_refusal
 from fxrec.graph.horizontal import Gathered, scatter
 from fxrec.graph.pieces import piece_of
@@ -268,6 +269,9 @@ class FuseLinearBatched(HorizontalRule):
         ti = ctx.info(inputs[0])
         wi = param_info(ctx, lcs[0].weight)
         assert ti is not None and wi is not None
+        stacked = _batched_view(inputs, wi.shape[1]) is None  # separate inputs: copied
+        if stacked and (why := stacked_inputs_reason(ctx.device_type, ti.numel())) is not None:
+            return why
         acts = len(group) * ti.shape[0] * (ti.shape[1] + wi.shape[0])
         return gather_cost_reason(
             ctx, [[lc.weight for lc in lcs], [lc.bias for lc in lcs]], "stack", acts

@@ -13,12 +13,16 @@ from typing import Any
 
 import pytest
 import torch
+import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
 import fxrec
+from fxrec.graph import meta
 from fxrec.graph.module import optimize
+from fxrec.graph.optimize_graph import optimize_graph, resolve_rules
+from fxrec.graph.params import FusedParameters
 
 LINEAR_RULES = ["parallel_linear_same_input", "parallel_linear_batched"]
 
@@ -336,6 +340,48 @@ def test_batched_two_members_fuse() -> None:
     """Multi-task models have 2 towers: groups of 2 fuse."""
     opt = check_equivalent(lambda: PerInput(2), _x(), rules=["parallel_linear_batched"])
     assert fired(opt, "parallel_linear_batched") == 1
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_batched_wide_separate_inputs_are_left_on_cpu(n: int) -> None:
+    """Separate inputs of 256 x 128 each: on a CPU, stacking them costs more than one bmm
+    saves over N GEMMs (two-tower models' last Linears ran slower fused)."""
+    d, batch = 128, 256
+    opt = check_equivalent(
+        lambda: PerInput(n, d=d), _x(d), rules=["parallel_linear_batched"], batches=(batch, 7)
+    )
+    assert fired(opt, "parallel_linear_batched") == 0
+    assert any("input elements" in r for r in refusals(opt, "parallel_linear_batched"))
+    ops = forward_ops(opt, torch.randn(batch, d))
+    assert ops.get("aten::addmm") == n and "aten::baddbmm" not in ops
+
+
+def test_batched_wide_pieces_of_one_tensor_fuse_on_cpu() -> None:
+    """Pieces of one tensor are read through a view: nothing is stacked."""
+    d, batch = 128, 256
+    opt = check_equivalent(
+        lambda: PerInput(2, d=d, pieces="split"),
+        _x(2 * d),
+        rules=["parallel_linear_batched"],
+        batches=(batch, 7),
+    )
+    assert fired(opt, "parallel_linear_batched") == 1
+    ops = forward_ops(opt, torch.randn(batch, 2 * d))
+    assert "aten::stack" not in ops and ops.get("aten::baddbmm") == 1
+
+
+def test_batched_wide_separate_inputs_fuse_on_gpu() -> None:
+    """On a GPU a launch costs more than the stack: the rule is told the graph is for one."""
+    model = PerInput(2, d=128)
+    gm = fx.symbolic_trace(model)
+    meta.annotate(gm, torch.randn(256, 128))
+    owner = FusedParameters()
+    rules = resolve_rules(["parallel_linear_batched"])
+    report = optimize_graph(gm, rules, owner=owner, device_type="cuda")
+    assert report.count("parallel_linear_batched") == 1
+    gm.add_submodule("fxrec_fused", owner)
+    x = torch.randn(256, 128)
+    torch.testing.assert_close(gm(x), model(x))
 
 
 @pytest.mark.parametrize("pieces, shape", [("split", (8 * 4,)), ("unbind", (4, 8))])
