@@ -268,11 +268,16 @@ def request_counts(kjt: KeyedJaggedTensor, layout: IdsLayout, rows: Any = None) 
     return CountsHandle(layout, kjt, work, send, recv, ids_to, batch)
 
 
+@torch.compiler.disable  # run, not traced: dynamo switches validation off while it traces
 def _check_input(kjt: KeyedJaggedTensor, layout: IdsLayout) -> int:
     """Refuse, before any exchange, what the unsharded collection refuses (non-integer ids,
-    a weighted collection's input without weights); 1 if this rank's weights need a grad.
+    ids outside their tables, a weighted collection's input without weights); 1 if this
+    rank's weights need a grad.
 
-    Ids go on the wire as int64: a float id would be silently truncated there.
+    Ids go on the wire as int64: a float id would be silently truncated there. Under dynamo
+    (a model ``fxrec.optimize`` captures with it) the check still runs: an id refused only
+    by its owner's lookup would fail that rank mid-exchange, and its peers would wait for
+    the group's timeout instead of hearing at once that this rank has no batch.
     """
     values, weights = kjt.values(), kjt.weights_or_none()
     if values.is_floating_point() or values.is_complex() or values.dtype == torch.bool:

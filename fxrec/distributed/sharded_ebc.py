@@ -201,6 +201,10 @@ class ShardedEmbeddingBagCollection(nn.Module):
     this rank's rows, other ranks' tables are skipped) or this rank's.
     """
 
+    # Its forward runs collectives: fxrec.optimize never runs a call of a model holding it a
+    # second time on one rank (its peers would not join the repeated collectives).
+    fxrec_collectives = True
+
     def __init__(
         self,
         ebc: nn.Module,

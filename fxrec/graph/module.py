@@ -23,12 +23,13 @@ import operator
 import types
 import warnings
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from fxrec.graph import meta
 from fxrec.graph.capture import CaptureError, capture_symbolic
@@ -131,6 +132,9 @@ class OptimizedModule(nn.Module):
         self._params_seen = _count_registrations()
         self._params = dict(model.named_parameters(remove_duplicate=False))
         self._slots_stamp: Any = None
+        self._hooks_seen = -1  # RemovableHandle.next_id when submodules were last looked at
+        self._hooked_modules: list[tuple[int, nn.Module]] = []
+        self._hook_sizes: list[tuple[dict, int]] = []
         self._params_swapped()  # the tensors calls expect, taken before any call swaps them
         self.fxrec_report = Report()
         self.train(model.training)
@@ -139,21 +143,42 @@ class OptimizedModule(nn.Module):
 
     # -- running -----------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_exporting() and self.fxrec_fused.member_ids():
-            raise RuntimeError(
-                "fxrec: torch.export.export cannot export an optimized module whose parameters "
-                "are laid out (it lists both the members and the flat parameters); export it "
-                "with fxrec.export(opt, args, dynamic_shapes=...), which takes the same "
-                "arguments as torch.export.export."
-            )
+        if torch.compiler.is_exporting():
+            if self.fxrec_fused.member_ids():
+                raise RuntimeError(
+                    "fxrec: torch.export.export cannot export an optimized module whose "
+                    "parameters are laid out (it lists both the members and the flat "
+                    "parameters); export it with fxrec.export(opt, args, dynamic_shapes=...), "
+                    "which takes the same arguments as torch.export.export."
+                )
+            return self._call(args, kwargs)
+        if torch.compiler.is_compiling():
+            return self._opaque_call(args, kwargs)
+        return self._call(args, kwargs)
+
+    @torch.compiler.disable
+    def _opaque_call(self, args: tuple, kwargs: dict) -> Any:
+        """A call under an outer ``torch.compile`` (``torch.compile(fxrec.optimize(m))``):
+        one graph break, instead of dynamo tracing the per-call bookkeeping (which breaks
+        its graph on every identity check) and inlining the model's forward on parameters
+        fxrec laid out."""
+        return self._call(args, kwargs)
+
+    def _call(self, args: tuple, kwargs: dict) -> Any:
+        if self._params_swapped() or _transformed():
+            # torch.func (functional_call, vmap, grad): the tensors given, run eagerly; no
+            # graph is built or checked for them (a check cannot run under vmap).
+            self.fxrec_fused.sync_requires_grad()
+            return _EagerRunner(self.model, self.fxrec_fused)(*args, **kwargs)
         runner, args, kwargs = self._runner(args, kwargs)
-        if self._params_swapped():
-            runner = _EagerRunner(self.model, self.fxrec_fused)
         self.fxrec_fused.sync_requires_grad()
         try:
             out = runner(*args, **kwargs)
         except Exception as exc:
-            if isinstance(runner, _DynamoRunner):  # dynamo reports bad inputs as its own errors
+            # dynamo reports bad inputs as its own errors: the model's own is clearer. Not
+            # once the graphs communicate: running the model again would run its collectives
+            # on this rank alone, which its peers never join.
+            if isinstance(runner, _DynamoRunner) and not runner.communicates:
                 _raise_if_model_fails(self.model, args, kwargs, cause=exc)
             raise
         self.fxrec_fused.freeze()  # the first call's layouts are the ones the optimizer holds
@@ -179,12 +204,14 @@ class OptimizedModule(nn.Module):
         stamp = (_registered[0], len(self.fxrec_fused._parameters))
         if self._slots_stamp != stamp:
             self._slots_stamp = stamp
-            self._slots = [
+            slots = [
                 (m._parameters, n, p)
                 for m in (*self.model.modules(), self.fxrec_fused)
                 for n, p in m._parameters.items()
             ]
-        return any(params.get(name) is not p for params, name, p in self._slots)
+            self._slots = [list(column) for column in zip(*slots)] or [[], [], []]
+        tables, names, params = self._slots
+        return any(map(operator.is_not, map(dict.get, tables, names), params))
 
     def _check_params(self) -> None:
         """Graphs bake the model's parameter objects in: rebuild them after one was replaced
@@ -249,15 +276,31 @@ class OptimizedModule(nn.Module):
     def _mode(self) -> Any:
         """``self.training``, or every submodule's flag and hooks when the flags differ (a
         BatchNorm put in eval mode alone) or a module has hooks: graphs bake the flags in, and
-        the hooks decide how the model is captured, so each mix gets graphs of its own."""
+        the hooks decide how the model is captured, so each mix gets graphs of its own.
+
+        Runs on every call: submodules are looked at for hooks only after a hook was
+        registered (or a hook table of a hooked module changed size: one removed)."""
         t = self.training
-        for m in self._submodules:
-            if m.training is not t or has_hooks(m):
-                return (
-                    tuple(m.training for m in self._submodules),
-                    tuple(_hook_ids(i, m) for i, m in enumerate(self._submodules) if has_hooks(m)),
-                )
-        return t
+        if RemovableHandle.next_id != self._hooks_seen or any(
+            len(table) != n for table, n in self._hook_sizes
+        ):
+            self._find_hooks()
+        flags = map(_TRAINING, self._submodules)
+        if not self._hooked_modules and (all(flags) if t is True else not any(flags)):
+            return t
+        return (
+            tuple(m.training for m in self._submodules),
+            tuple(_hook_ids(i, m) for i, m in self._hooked_modules),
+        )
+
+    def _find_hooks(self) -> None:
+        self._hooks_seen = RemovableHandle.next_id
+        self._hooked_modules = [(i, m) for i, m in enumerate(self._submodules) if has_hooks(m)]
+        self._hook_sizes = [
+            (table, len(table))
+            for _, m in self._hooked_modules
+            for table in (getattr(m, a) for a in _MODULE_HOOKS)
+        ]
 
     def _owner(self) -> FusedParameters | None:
         return None if self._keep_params else self.fxrec_fused
@@ -347,17 +390,36 @@ class OptimizedModule(nn.Module):
         every input signature as symbolic traces are checked. Not once the model's graphs
         communicate: a signature new on one rank (its batch size) would run the check's
         collectives on that rank alone. Nor in a user's call when the model has hooks: the
-        check would run them twice more (traced graphs are checked with hooks silenced, but
-        dynamo compiles the hooks into its graphs).
+        check would run them on calls that are not the user's (dynamo compiles hooks into its
+        graphs).
+
+        ``optimize``'s example inputs are always compiled here (checked unless
+        ``check=False``): the rules lay out parameters as they compile, and the user's
+        optimizer is built on those layouts. A model with hooks is compiled, and checked, in
+        a capture of its own with the hooks silenced; the first call compiles the model with
+        them, reusing the layouts.
         """
-        if not self._check or self._dynamo_backend.communicates or _fake(args, kwargs):
+        if self._dynamo_backend.communicates or _fake(args, kwargs):
             return runner
-        if not example and any(has_hooks(m) for m in self._submodules):
+        hooked = _hooked(self._submodules)
+        if not example and (hooked or not self._check):
             return runner
-        with _preserved_state(self.model, (args, kwargs)), torch.no_grad():
-            reference = self.model(*args, **kwargs)
+        probe = self._dynamo_runner() if hooked else runner
         grad = torch.is_grad_enabled()  # the mode training will call it in: one compile
-        if _same_outputs(self.model, runner, args, reference, grad, kwargs):
+        with _hooks_silenced(self.model) if hooked else contextlib.nullcontext():
+            if not self._check:
+                with _preserved_state(self.model, (args, kwargs)):
+                    probe(*args, **kwargs)
+                return runner
+            with _preserved_state(self.model, (args, kwargs)), torch.no_grad():
+                reference = self.model(*args, **kwargs)
+            same = _same_outputs(self.model, probe, args, reference, grad, kwargs)
+        if hooked:
+            self.fxrec_report.note(
+                "the model has hooks: checked in a capture of its own with them silenced; its "
+                "first call compiles it with them"
+            )
+        if same:
             return runner
         if self._dynamo_backend.draws and self._backend != "eager":
             note = (
@@ -553,6 +615,7 @@ class OptimizedModule(nn.Module):
         state["_communicates"] = set()
         state["_dynamo_backend"] = None
         state["_slots"], state["_slots_stamp"] = [], None
+        state["_hooks_seen"], state["_hooked_modules"], state["_hook_sizes"] = -1, [], []
         state["fxrec_report"] = self.fxrec_report.for_copy()
         return state
 
@@ -614,7 +677,7 @@ _copies = itertools.count()
 
 def _own_code(model: nn.Module) -> Any:
     """``model.forward`` bound to a private copy of its code object (see ``_dynamo_runner``)."""
-    if model._forward_hooks or model._forward_pre_hooks:
+    if _hooked([model]):
         return model  # hooks run in the module's __call__: compile the module, hooks included
     fwd = model.forward
     fn = getattr(fwd, "__func__", None)
@@ -646,6 +709,7 @@ def _code_and_params(fn: Any, model: nn.Module) -> tuple[Any, list[str]]:
 
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_TRAINING = operator.attrgetter("training")
 
 
 class _DynamoRunner:
@@ -687,6 +751,7 @@ class _DynamoRunner:
         self.compiles = compiles
         self.param_list: list[nn.Parameter] = []
         self.grad_flags: list[bool] | None = None
+        self.collectives: bool | None = None  # see ``communicates``
 
     # Never traced into by an outer torch.compile (``torch.compile(fxrec.optimize(m))``):
     # dynamo would inline the model's own forward, on the parameters fxrec laid out, instead
@@ -727,14 +792,31 @@ class _DynamoRunner:
         self.report.note(note)
         return result
 
+    @property
+    def communicates(self) -> bool:
+        """Does a call run collectives: in its graphs, or around them (a module whose class
+        sets ``fxrec_collectives``, as the sharded collection's does)?"""
+        if self.backend.communicates:
+            return True
+        if self.collectives is None:
+            modules = self.fallback.model.modules()
+            self.collectives = any(getattr(m, "fxrec_collectives", False) for m in modules)
+        return self.collectives
+
     def _same_grad_flags(self) -> bool:
         return list(map(_REQUIRES_GRAD, self.param_list)) == self.grad_flags
 
     def _through_dynamo(self, args: tuple, kwargs: dict) -> Any:
+        """A call through dynamo; past its recompile limit, this call and later ones run
+        ``fallback``. Not for graphs that communicate: the limit may be hit in a frame
+        between two collectives (the sparse plumbing dynamo compiles per number of keys),
+        and running the call again would send this rank's collectives twice. Dynamo runs
+        such a frame eagerly itself; its own frame is cached per input signature."""
         if self.exhausted:
             return self.fallback(*args, **kwargs)
+        fail = not self.communicates
         try:
-            with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+            with torch._dynamo.config.patch(fail_on_recompile_limit_hit=fail):
                 if not self.routes_checked and torch.is_grad_enabled():
                     return self._checking_routes(args, kwargs)
                 return self.compiled(*args, **kwargs)
@@ -755,11 +837,24 @@ class _DynamoRunner:
         on the members; their gradients would never reach the flat parameters the optimizer
         holds. If the call's autograd graph reaches a member, this call is run again, and
         later ones run, through the laid-out parameters (the model eagerly): slower, right.
+        A module with backward hooks is never compiled: when it holds members, the call goes
+        there at once (running the model twice would run its forward hooks twice).
         """
         self.routes_checked = True
         members = self.fallback.owner.member_ids()
         if not members:
             return self.compiled(*args, **kwargs)
+        hooked = _backward_hooked_member(self.fallback.model, members)
+        if hooked is not None:
+            self.exhausted = True
+            note = (
+                f"dynamo runs module {hooked!r}, which has backward hooks, outside its graphs "
+                "(a graph break) on parameters laid out in flat tensors; those calls run the "
+                "model eagerly, through the flat parameters, so that their gradients reach them"
+            )
+            logger.warning("fxrec: %s", note)
+            self.report.note(note)
+            return self.fallback(*args, **kwargs)
         with _preserved_state(self.fallback.model, (args, kwargs)) as state:  # undone unless kept
             result = self.compiled(*args, **kwargs)
             if not _reaches_leaves(result, members):
@@ -785,14 +880,27 @@ def _rank_local(model: nn.Module) -> list[str]:
     return rank_local_names(model)
 
 
+def _backward_hooked_member(model: nn.Module, members: set[int]) -> str | None:
+    """The name of a module with backward hooks (its own, or global ones: any module) that
+    holds one of ``members`` (parameter ids), else None. Dynamo runs such a module's call
+    outside its graphs, reading those members."""
+    from torch.nn.modules import module as nn_module
+
+    every = bool(nn_module._global_backward_hooks or nn_module._global_backward_pre_hooks)
+    for name, m in model.named_modules():
+        if (every or m._backward_hooks or m._backward_pre_hooks) and any(
+            id(p) in members for p in m.parameters()
+        ):
+            return name
+    return None
+
+
 def _reaches_leaves(result: Any, leaves: set[int]) -> bool:
     """Does the autograd graph behind ``result``'s tensors accumulate into one of ``leaves``
     (tensor ids)?"""
     from torch.utils._pytree import tree_leaves
 
-    todo = [
-        t.grad_fn for t in tree_leaves(result) if isinstance(t, torch.Tensor) and t.grad_fn
-    ]
+    todo = [t.grad_fn for t in tree_leaves(result) if isinstance(t, torch.Tensor) and t.grad_fn]
     seen: set[int] = set()
     while todo:
         fn = todo.pop()
@@ -816,6 +924,12 @@ def _hook_ids(index: int, m: nn.Module) -> tuple:
     )
 
 
+def _transformed() -> bool:
+    """Is a ``torch.func`` transform (vmap, grad, jacrev...) running? Its tensors are
+    wrappers that graphs are not built for."""
+    return torch._C._functorch.peek_interpreter_stack() is not None
+
+
 def _autocast_state() -> tuple:
     """Which autocast regions are active, and their dtypes: graphs and direct calls built
     outside one must not serve calls inside it (and the reverse)."""
@@ -837,7 +951,8 @@ class _EagerRunner:
         views = self.owner.views(self.model)
         if not views:
             return self.model(*args, **kwargs)
-        return torch.func.functional_call(self.model, views, args, kwargs)
+        # every name of a tied parameter is among the views: no search for ties per call
+        return torch.func.functional_call(self.model, views, args, kwargs, tie_weights=False)
 
 
 class _TraceDoesNotRun(RuntimeError):
@@ -871,20 +986,43 @@ def _device_type(args: tuple) -> str:
     return "cpu"
 
 
+_MODULE_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+_GLOBAL_HOOKS = tuple(f"_global{name}" for name in _MODULE_HOOKS)
+
+
+def _global_hooks() -> list[dict]:
+    """The hook tables ``nn.modules.module.register_module_*_hook`` fill (every module's)."""
+    from torch.nn.modules import module as nn_module
+
+    return [getattr(nn_module, name) for name in _GLOBAL_HOOKS]
+
+
+def _hooked(modules: Iterable[nn.Module]) -> bool:
+    """Does calling one of ``modules`` run a user's hook (its own or a global one)?"""
+    return any(_global_hooks()) or any(has_hooks(m) for m in modules)
+
+
 @contextlib.contextmanager
 def _hooks_silenced(model: nn.Module) -> Iterator[None]:
-    """The user's module hooks do not run while a traced graph is run to be built or checked
-    (the runs are fxrec's, not the user's steps); graphs keep hooked calls as written."""
-    saved = []
-    for m in model.modules():
-        if has_hooks(m):
-            saved.append((m, m._forward_pre_hooks, m._forward_hooks))
-            m._forward_pre_hooks, m._forward_hooks = OrderedDict(), OrderedDict()
+    """The user's module hooks (forward and backward, the module's and global ones) do not
+    run while fxrec runs the model or a traced graph to build, check or count it: those runs
+    are fxrec's, not the user's steps, and a hook logging features or gradients would log
+    batches never trained on. Graphs keep hooked calls as written."""
+    saved = [(m, [getattr(m, a) for a in _MODULE_HOOKS]) for m in model.modules() if has_hooks(m)]
+    tables = [(t, t.copy()) for t in _global_hooks() if t]
+    for m, _ in saved:
+        for a in _MODULE_HOOKS:
+            setattr(m, a, OrderedDict())
+    for t, _ in tables:
+        t.clear()
     try:
         yield
     finally:
-        for m, pre, post in saved:
-            m._forward_pre_hooks, m._forward_hooks = pre, post
+        for m, hooks in saved:
+            for a, h in zip(_MODULE_HOOKS, hooks):
+                setattr(m, a, h)
+        for t, kept in tables:
+            t.update(kept)
 
 
 class _preserved_state:
@@ -1046,6 +1184,7 @@ def optimize(
             f"fxrec.optimize takes an nn.Module, got {type(model).__name__}; wrap a function "
             "in a module whose forward calls it."
         )
+    model = _uncompiled(model)
     if example_inputs is not None and not isinstance(example_inputs, tuple):
         example_inputs = _as_args(model, example_inputs)
     if keep_params is None:
@@ -1063,12 +1202,29 @@ def optimize(
         logger.warning("fxrec: %s", note)
         opt.fxrec_report.note(note)
     if example_inputs is not None:
-        opt._build(opt._key(example_inputs, {}), example_inputs, {}, example=True)
+        runner = opt._build(opt._key(example_inputs, {}), example_inputs, {}, example=True)
         opt.fxrec_fused.freeze()  # the optimizer is built on these layouts
         opt.fxrec_report.kernels_before, opt.fxrec_report.kernels_after = _kernels(
-            model, opt, example_inputs
+            model, opt, runner, example_inputs
         )
     return opt
+
+
+def _uncompiled(model: nn.Module) -> nn.Module:
+    """The model ``torch.compile(model)`` wraps: its wrapper's ``forward(*args, **kwargs)``
+    would hide the model from capture (parameters reach the graph as inputs, which rules
+    cannot lay out), and fxrec runs its own graphs, so the compile would be dropped anyway."""
+    from torch._dynamo.eval_frame import OptimizedModule as CompiledModule
+
+    if not isinstance(model, CompiledModule):
+        return model
+    logger.warning(
+        "fxrec: optimizing the model torch.compile wraps (%s), without that compile; for "
+        'compiled graphs, use fxrec.optimize(model, example, backend="inductor") or '
+        "torch.compile(fxrec.optimize(model, example))",
+        type(model._orig_mod).__name__,
+    )
+    return model._orig_mod
 
 
 def _as_args(model: nn.Module, example: Any) -> tuple:
@@ -1093,12 +1249,15 @@ def _as_args(model: nn.Module, example: Any) -> tuple:
     return (example,)
 
 
-def _kernels(model: nn.Module, opt: OptimizedModule, args: tuple) -> tuple[Any, Any]:
-    """(forward, backward) kernels of one training step of ``model`` and of ``opt``.
+def _kernels(model: nn.Module, opt: OptimizedModule, runner: Any, args: tuple) -> tuple[Any, Any]:
+    """(forward, backward) kernels of one training step of ``model`` and of ``opt`` (whose
+    ``runner`` serves ``args``).
 
     Runs each once on the example inputs without leaving a trace: gradients, buffers and the
-    RNG stream are restored. Counting is best effort (None when the model's outputs have no
-    gradient to run backward from, or a step fails).
+    RNG stream are restored, and the user's module hooks do not run. Counting is best effort
+    (None when the model's outputs have no gradient to run backward from, or a step fails),
+    and skipped when it would run the user's hooks: parameter gradient hooks, or module hooks
+    compiled into a graph, which cannot run without them.
     """
     from torch.utils._pytree import tree_leaves
 
@@ -1107,15 +1266,26 @@ def _kernels(model: nn.Module, opt: OptimizedModule, args: tuple) -> tuple[Any, 
 
     if any(has_grad_hooks(p) for p in model.parameters()):
         return None, None  # a counting step would run the user's gradient hooks
+    hooked = _hooked(model.modules())
+    if hooked and not isinstance(runner, (fx.GraphModule, _EagerRunner)):
+        return None, None  # compiled with the hooks in it, or compiled on its first run
     tensors = [*opt.parameters(), *model.parameters()]
     tensors += [t for t in tree_leaves(args) if isinstance(t, torch.Tensor) and t.requires_grad]
     saved = [(t, t.grad) for t in tensors]
     try:
         # fxrec's own counting steps: warnings they raise (e.g. from the user's hooks) stay quiet
-        with _preserved_state(model, args), warnings.catch_warnings():
+        with (
+            _preserved_state(model, args),
+            warnings.catch_warnings(),
+            _hooks_silenced(model),
+        ):
             warnings.simplefilter("ignore")
-            counts = [count_kernels(m, *args) for m in (model, opt)]
-        return tuple((c.forward, c.backward) for c in counts)  # type: ignore[return-value]
+            before = count_kernels(model, *args)
+            for t in tensors:  # each step counted as after zero_grad(set_to_none=True)
+                t.grad = None
+            # the runner itself: silenced hooks would make ``opt`` build another for them
+            after = count_kernels(runner if hooked else opt, *args)
+        return (before.forward, before.backward), (after.forward, after.backward)
     except Exception as exc:  # a report detail must never make optimize fail
         logger.debug("fxrec: kernel counts for the report failed: %s", exc)
         return None, None
