@@ -134,6 +134,7 @@ class OptimizedModule(nn.Module):
         self._slots_stamp: Any = None
         self._hooks_seen = -1  # RemovableHandle.next_id when submodules were last looked at
         self._hooked_modules: list[tuple[int, nn.Module]] = []
+        self._global_ids: tuple = ()  # the global module hooks' ids, when there are some
         self._hook_sizes: list[tuple[dict, int]] = []
         self._params_swapped()  # the tensors calls expect, taken before any call swaps them
         self.fxrec_report = Report()
@@ -286,21 +287,25 @@ class OptimizedModule(nn.Module):
         ):
             self._find_hooks()
         flags = map(_TRAINING, self._submodules)
-        if not self._hooked_modules and (all(flags) if t is True else not any(flags)):
+        hooked = self._hooked_modules or self._global_ids
+        if not hooked and (all(flags) if t is True else not any(flags)):
             return t
         return (
             tuple(m.training for m in self._submodules),
             tuple(_hook_ids(i, m) for i, m in self._hooked_modules),
+            self._global_ids,
         )
 
     def _find_hooks(self) -> None:
         self._hooks_seen = RemovableHandle.next_id
         self._hooked_modules = [(i, m) for i, m in enumerate(self._submodules) if has_hooks(m)]
+        tables = _global_hooks()
+        self._global_ids = tuple(tuple(t) for t in tables) if any(tables) else ()
         self._hook_sizes = [
             (table, len(table))
             for _, m in self._hooked_modules
             for table in (getattr(m, a) for a in _MODULE_HOOKS)
-        ]
+        ] + [(table, len(table)) for table in tables]
 
     def _owner(self) -> FusedParameters | None:
         return None if self._keep_params else self.fxrec_fused
@@ -316,6 +321,17 @@ class OptimizedModule(nn.Module):
             and _structure(k) == _structure(key)
             and not isinstance(self._runners[k], _DynamoRunner)  # its direct call is one shape's
         ]
+        if any(_global_hooks()):
+            # Global module hooks (register_module_forward_hook...) run on every module call:
+            # a fused call would skip them. The model runs as written, through the flat
+            # parameters, while there are some.
+            note = "global module hooks: calls run the model eagerly while they are registered"
+            if note not in self.fxrec_report.notes:
+                self.fxrec_report.note(note)
+            runner = _EagerRunner(self.model, self.fxrec_fused)
+            if len(self._runners) < MAX_CACHED_SIGNATURES:
+                self._runners[key] = runner
+            return runner
         exporting = torch.compiler.is_exporting()
         full = len(self._runners) >= MAX_CACHED_SIGNATURES
         if loose and (exporting or mode in self._communicates or full):
@@ -616,6 +632,7 @@ class OptimizedModule(nn.Module):
         state["_dynamo_backend"] = None
         state["_slots"], state["_slots_stamp"] = [], None
         state["_hooks_seen"], state["_hooked_modules"], state["_hook_sizes"] = -1, [], []
+        state["_global_ids"] = ()
         state["fxrec_report"] = self.fxrec_report.for_copy()
         return state
 

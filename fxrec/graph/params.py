@@ -506,9 +506,18 @@ class FusedParameters(nn.Module):
             self._sync_all_data()
 
     def _sync_all_data(self) -> None:
+        # members' new values, taken before any is written back: a member's new data may be
+        # another member's slice (``a.data, b.data = b.data, a.data``), in any flat tensor
+        with torch.inference_mode(False):
+            new = {
+                id(m): m.tensor.data.clone()
+                for _, members in self._members.values()
+                for m in members
+                if m.tensor.data_ptr() != m.ptr
+            }
         for name in self._outer_first():
             how, members = self._members[name]
-            self._sync_data(name, how, getattr(self, name), members)
+            self._sync_data(name, how, getattr(self, name), members, new)
 
     def _outer_first(self) -> list[str]:
         """The flat tensors' names, each before the flat tensors laid out in it (a layout is
@@ -535,13 +544,21 @@ class FusedParameters(nn.Module):
                     )
         self._hooks_seen = seen
 
-    def _sync_data(self, name: str, how: str, flat: torch.Tensor, members: list[_Member]) -> None:
+    def _sync_data(
+        self,
+        name: str,
+        how: str,
+        flat: torch.Tensor,
+        members: list[_Member],
+        new: dict[int, torch.Tensor],
+    ) -> None:
         """Per call, so cheap: one address per member and per flat tensor.
 
         A flat tensor given new data (``vector_to_parameters(v, opt.parameters())``) is what
         the graphs read and the optimizer steps: its members view it again (else
         ``state_dict()`` would show the old values). A member given new data
-        (``member.data = t``) has its values taken back into the flat tensor.
+        (``member.data = t``) has its values (``new``, by member record id) taken back into
+        the flat tensor.
         """
         stray = [m for m in members if m.tensor.data_ptr() != m.ptr]
         seen = self._viewed.get(name)
@@ -549,7 +566,7 @@ class FusedParameters(nn.Module):
             taken = {id(m) for m in stray}
             self._follow_new_data(name, how, flat, [m for m in members if id(m) not in taken])
         if stray:
-            self._take_back(name, how, flat, stray)
+            self._take_back(name, how, flat, stray, new)
 
     def _follow_new_data(
         self, name: str, how: str, flat: torch.Tensor, members: list[_Member]
@@ -577,13 +594,21 @@ class FusedParameters(nn.Module):
         """Remember ``flat``'s data as its members now view it (see :class:`_Viewed`)."""
         self._viewed[name] = _Viewed(flat, flat.data_ptr(), flat.shape, flat.dtype, flat.device)
 
-    def _take_back(self, name: str, how: str, flat: torch.Tensor, stray: list[_Member]) -> None:
+    def _take_back(
+        self,
+        name: str,
+        how: str,
+        flat: torch.Tensor,
+        stray: list[_Member],
+        new: dict[int, torch.Tensor],
+    ) -> None:
         """Members given new data since they were laid out (``member.data = t``): the values
         go into the flat tensor, and the members view it again. Data of another shape, dtype
         or device (the model converted instead of the optimized module) cannot, and raises."""
         with torch.inference_mode(False):  # new data under inference_mode stays trainable
             for m in stray:
                 t = m.tensor
+                value = new.get(id(m), t.data)
                 part = _member_slice(flat.data, how, m)
                 if (t.shape, t.dtype, t.device) != (part.shape, part.dtype, part.device):
                     raise RuntimeError(
@@ -593,7 +618,7 @@ class FusedParameters(nn.Module):
                         "module (opt.to(...), opt.double()) rather than the model, or optimize again."
                     )
                 with torch.no_grad():
-                    part.copy_(t.data)
+                    part.copy_(value)
                 t.data = part
                 m.ptr = t.data_ptr()
 

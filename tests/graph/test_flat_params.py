@@ -80,7 +80,10 @@ def test_perturbing_parameters_through_vector_to_parameters(optim: str, untracea
     """A SAM-like step: parameters replaced by a perturbed vector, gradients taken there, the
     saved vector put back, then the optimizer steps. The members (``state_dict``) follow."""
     _, opt, ref = _pair(untraceable)
-    pairs = [(ref, OPTIMS[optim](list(ref.parameters()))), (opt, OPTIMS[optim](list(opt.parameters())))]
+    pairs = [
+        (ref, OPTIMS[optim](list(ref.parameters()))),
+        (opt, OPTIMS[optim](list(opt.parameters()))),
+    ]
     for i in range(4):
         x = torch.randn(16, N * D)
         losses = []
@@ -280,3 +283,17 @@ def test_the_plain_model_still_trains_with_its_own_optimizer() -> None:
             o.step()
     for (name, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
         torch.testing.assert_close(a, b, msg=name)
+
+
+@pytest.mark.parametrize("untraceable", [False, True], ids=["symbolic", "dynamo"])
+def test_members_swapping_their_data_keep_both_values(untraceable: bool) -> None:
+    """``a.data, b.data = b.data, a.data`` (experts reordered): each member's new data is the
+    other's slice of one flat parameter; writing one back must not overwrite the other's."""
+    model, opt, ref = _pair(untraceable)
+    x = torch.randn(8, N * D)
+    opt(x)
+    for m in (model, ref):
+        a, b = m.lins[0].weight, m.lins[1].weight
+        a.data, b.data = b.data, a.data
+    torch.testing.assert_close(opt(x), ref(x), rtol=TOL, atol=TOL)
+    _same_state(opt.model, ref)

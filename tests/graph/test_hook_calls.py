@@ -135,3 +135,40 @@ def test_a_dynamo_capture_of_a_hooked_model_lays_out_its_parameters(check: bool)
         steps[False].forward,
         steps[False].backward,
     )
+
+
+@pytest.mark.parametrize("untraceable", [False, True], ids=["symbolic", "dynamo"])
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_global_module_hooks_run_on_every_module_call(untraceable: bool, when: str) -> None:
+    """A global forward hook (``register_module_forward_hook``) runs on every module call of
+    the plain model, fused LayerNorms included: while one is registered, calls run the model
+    as written (through the flat parameters); once removed, the fused graphs run again."""
+    from torch.nn.modules.module import register_module_forward_hook
+
+    torch.manual_seed(0)
+    model = Slices(untraceable=untraceable)
+    ref = copy.deepcopy(model)
+    x = torch.randn(16, 4 * D)
+    calls: list[str] = []
+
+    def scale(module: nn.Module, args: object, out: torch.Tensor) -> torch.Tensor | None:
+        calls.append(type(module).__name__)
+        return out * 1.5 if isinstance(module, nn.LayerNorm) else None
+
+    handle = register_module_forward_hook(scale) if when == "before" else None
+    try:
+        opt = fxrec.optimize(model, (x,))
+        fused = fxrec.count_kernels(opt, x) if handle is None else None
+        handle = handle or register_module_forward_hook(scale)
+        calls.clear()
+        expected = ref(x)
+        plain_calls = list(calls)
+        calls.clear()
+        torch.testing.assert_close(opt(x), expected, rtol=TOL, atol=TOL)
+        assert sorted(c for c in calls if c != "OptimizedModule") == sorted(plain_calls)
+    finally:
+        if handle is not None:
+            handle.remove()
+    torch.testing.assert_close(opt(x), ref(x), rtol=TOL, atol=TOL)
+    if fused is not None:  # the fused graphs serve calls again
+        assert fxrec.count_kernels(opt, x).forward == fused.forward
