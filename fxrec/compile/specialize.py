@@ -42,6 +42,7 @@ __all__ = [
 ]
 
 MAX_SIGNATURES = 8
+_SEEN = 256  # signatures whose calls are counted (see :class:`Specialized`)
 
 # Where a symbol's value is read from a call's inputs: (input position, what, dim).
 _Binder = tuple[int, str, int]
@@ -206,8 +207,10 @@ class Specialized:
     runs it (the inner backend's result, which may compile on these real inputs). A copy is
     built on the ``build_on``-th call of its signature (earlier ones run ``fallback``, the
     graph with symbolic sizes): 2 where building compiles, so that sizes seen once (a
-    jagged input's lengths) cost no compile. Only the first ``limit`` (default
-    :data:`MAX_SIGNATURES`) signatures seen get a copy; the others run ``fallback``.
+    jagged input's lengths) cost no compile. At most ``limit`` (default
+    :data:`MAX_SIGNATURES`) copies are built; later signatures run ``fallback``. The counts
+    of signatures seen are kept for the last :data:`_SEEN` only (a jagged input's number of
+    ids makes most signatures one-offs).
     """
 
     def __init__(
@@ -231,6 +234,7 @@ class Specialized:
         self.build_on = build_on
         self.runners: dict[tuple[Any, ...], Callable[..., Any]] = {}
         self.calls: dict[tuple[Any, ...], int] = {}  # signatures seen, and how often
+        self.failed = False  # a copy failed to build: the graph runs with symbolic sizes
 
     def __call__(self, *args: Any) -> Any:
         key = self.symbols.values(args)
@@ -240,22 +244,27 @@ class Specialized:
         return runner(*args)
 
     def _runner(self, key: tuple[Any, ...], args: list[Any]) -> Callable[..., Any]:
-        if key not in self.calls and len(self.calls) >= self.limit:
+        if self.failed:
+            return self.fallback
+        if len(self.runners) >= self.limit:
             note = (
-                f"dynamic shapes: a graph ran with more than {self.limit} sets of sizes; "
-                "the others run it with symbolic sizes, which rules leave unfused"
+                f"dynamic shapes: a graph ran with more than {self.limit} sets of sizes; copies "
+                "were built for the first sets seen again, the others run it with symbolic "
+                "sizes, which rules leave unfused"
             )
             if note not in self.report.notes:
                 logger.info("fxrec: %s", note)
                 self.report.note(note)
             return self.fallback
-        self.calls[key] = self.calls.get(key, 0) + 1
+        self.calls[key] = self.calls.pop(key, 0) + 1  # (re)inserted last: the most recent
+        if len(self.calls) > _SEEN:
+            del self.calls[next(iter(self.calls))]
         if self.calls[key] < self.build_on:
             return self.fallback
-        gm = specialized_copy(self.graph, self.root, self.symbols, key)
         sizes = ", ".join(f"{s}={v}" for s, v in zip(self.symbols.symbols, key))
         logger.debug("fxrec: optimizing a graph with symbolic sizes for %s", sizes)
         try:
+            gm = specialized_copy(self.graph, self.root, self.symbols, key)
             runner = self.build(gm, args)
         except Exception as exc:  # the graph with symbolic sizes still runs these inputs
             if strict_mode():
@@ -268,6 +277,7 @@ class Specialized:
                 exc,
             )
             self.report.note(f"specializing a graph failed: {type(exc).__name__}: {exc}"[:200])
+            self.failed = True  # the other signatures' copies would fail alike: not retried
             runner = self.fallback
         self.runners[key] = runner
         return runner

@@ -173,3 +173,50 @@ def test_note_unfused_counts_nested_regions_once() -> None:
     # outer body: the inner region's 4 nodes, 2 towers of 4, their cat, the inner getitem
     assert note_unfused(gm, report) == 4 + 2 * 4 + 1 + 1
     assert _unfused_note(report) == (14, 1)
+
+
+class _BufferedBlock(nn.Module):
+    """A BatchNorm and an EMA buffer updated in place, inside a checkpointed region."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.bn = nn.BatchNorm1d(8)
+        self.register_buffer("ema", torch.zeros(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        if self.training:
+            self.ema.mul_(0.9).add_(h.detach().mean(0), alpha=0.1)
+        return torch.relu(self.bn(h)) + self.ema
+
+
+class _Buffered(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = _BufferedBlock()
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(checkpoint(self.block, x, use_reentrant=False))
+
+
+def test_buffer_updates_inside_a_checkpointed_region_are_kept() -> None:
+    """Dead-code elimination reaches only the graph rules rewrite: ``fx.Graph``'s own also
+    cleaned the region's sub-graph, erasing its in-place buffer updates, whose results
+    nothing reads (``num_batches_tracked`` stayed 0, the EMA at zeros)."""
+    torch.manual_seed(0)
+    plain, ours = _Buffered(), _Buffered()
+    ours.load_state_dict(plain.state_dict())
+    runs = [
+        torch.compile(plain, backend="aot_eager", dynamic=False),
+        torch.compile(ours, backend=fxrec.compile_backend("aot_eager"), dynamic=False),
+    ]
+    for step in range(3):
+        x = torch.randn(16, 8) + step
+        for run in runs:
+            run(x).sum().backward()
+    assert int(ours.block.bn.num_batches_tracked) == int(plain.block.bn.num_batches_tracked) == 3
+    for name, value in plain.state_dict().items():
+        torch.testing.assert_close(ours.state_dict()[name], value, rtol=TOL, atol=TOL, msg=name)
+    torch._dynamo.reset()

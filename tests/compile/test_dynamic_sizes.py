@@ -115,6 +115,39 @@ def test_signatures_past_the_cache_run_symbolic_sizes(monkeypatch: pytest.Monkey
     assert any("more than 2 sets of sizes" in n for n in backend.report.notes)
 
 
+def test_sizes_seen_once_leave_room_for_a_size_seen_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Compiled copies are built on a size's second call: sizes seen once (the last batch, a
+    jagged input's number of ids) build nothing and do not fill the cache."""
+    monkeypatch.setattr(specialize, "MAX_SIGNATURES", 2)
+    x = torch.randn(16, 24)
+    want = _static_counts("aot_eager", x)
+    torch._dynamo.reset()
+    compiled, twin, plain, backend = _compiled("aot_eager", True)
+    _trains_like_plain(compiled, twin, plain, [3, 4, 5, 6, 16, 16])
+    k = fxrec.count_kernels(compiled, x)
+    assert (k.forward, k.backward) == want
+    assert backend.report.count("parallel_layer_norm") == 1
+
+
+def test_a_copy_that_fails_to_build_is_not_retried(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One failed build (a graph whose copies the inner backend cannot compile) means the
+    graph runs with symbolic sizes from then on: no further build is tried per signature."""
+    monkeypatch.setenv("FXREC_STRICT", "0")
+    tried = []
+
+    def fail(*args: object, **kwargs: object) -> None:
+        tried.append(1)
+        raise RuntimeError("cannot build")
+
+    monkeypatch.setattr(specialize, "specialized_copy", fail)
+    compiled, twin, plain, backend = _compiled("eager", True)
+    _trains_like_plain(compiled, twin, plain, [16, 5, 7, 16, 9])
+    assert len(tried) == 1
+    assert any("specializing a graph failed" in n for n in backend.report.notes)
+
+
 def test_other_inner_backends_see_the_symbolic_graph() -> None:
     rec = GraphRecorder()
     backend = fxrec.compile_backend(rec)
