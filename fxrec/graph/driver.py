@@ -20,13 +20,14 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from collections.abc import Callable, Collection, Hashable, Sequence
+from collections.abc import Collection, Hashable, Sequence
 from typing import Any
 
 import torch.fx as fx
 
 from fxrec.graph.effects import (
     _is_view,
+    eliminate_dead_code,
     has_hooks,
     has_mode_switches,
     has_side_effects,
@@ -291,7 +292,7 @@ def run_rules(ctx: RewriteContext, rules: Sequence[Rule]) -> int:
     else:
         ctx.report.notes.append(f"stopped after {MAX_PASSES} passes without reaching a fixed point")
     # has_side_effects: the nodes dead-code elimination must keep although nothing reads them.
-    _eliminate_dead_code(graph, ctx.cached(has_side_effects))
+    eliminate_dead_code(graph, ctx.cached(has_side_effects))
     # No lint/recompile here: the caller (optimize_graph) does both once, after the passes.
     ctx.report.passes = max(ctx.report.passes, passes)
     logger.debug(
@@ -300,20 +301,3 @@ def run_rules(ctx: RewriteContext, rules: Sequence[Rule]) -> int:
         (time.perf_counter() - t0) * 1e3,
     )
     return passes
-
-
-def _eliminate_dead_code(graph: fx.Graph, impure: Callable[[fx.Node], bool]) -> int:
-    """Erase the nodes of ``graph`` nothing reads, except ``impure`` ones; returns how many.
-
-    Not ``fx.Graph.eliminate_dead_code``: it also cleans the sub-graphs its nodes call
-    (dynamo's activation-checkpointed regions) without ``is_impure_node``, erasing in-place
-    buffer updates there (a BatchNorm's ``num_batches_tracked.add_(1)``, an EMA's ``mul_``).
-    Rules rewrite the top-level graph only.
-    """
-    erased = 0
-    for node in reversed(graph.nodes):
-        if node.op in ("placeholder", "output") or node.users or impure(node):
-            continue
-        graph.erase_node(node)
-        erased += 1
-    return erased

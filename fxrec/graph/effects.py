@@ -7,7 +7,7 @@ handle the effect explicitly (e.g. the BatchNorm rule keeps running statistics e
 from __future__ import annotations
 
 import operator
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
@@ -26,6 +26,7 @@ __all__ = [
     "is_random",
     "member_refusal",
     "subgraphs",
+    "eliminate_dead_code",
     "mode_regions",
     "written_in_place",
     "written_target",
@@ -215,6 +216,26 @@ def has_side_effects(node: fx.Node) -> bool:
         return True
     mod = _owner_module(node)
     return bool(mod is not None and any(True for _ in mod.buffers()) and mod.training)
+
+
+def eliminate_dead_code(
+    graph: fx.Graph, impure: Callable[[fx.Node], bool] = has_side_effects
+) -> int:
+    """Erase the nodes of ``graph`` nothing reads, except ``impure`` ones (default:
+    :func:`has_side_effects`); returns how many.
+
+    Not ``fx.Graph.eliminate_dead_code``: its default keeps only what fx knows to be impure,
+    not in-place updates of buffers whose result nobody reads (``self.calls.add_(1)``), and
+    it also cleans the sub-graphs its nodes call (dynamo's activation-checkpointed regions)
+    without ``is_impure_node``, erasing such updates there.
+    """
+    erased = 0
+    for node in reversed(graph.nodes):
+        if node.op in ("placeholder", "output") or node.users or impure(node):
+            continue
+        graph.erase_node(node)
+        erased += 1
+    return erased
 
 
 def written_in_place(node: fx.Node) -> bool:

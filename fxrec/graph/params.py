@@ -737,11 +737,11 @@ class FusedParameters(nn.Module):
         counts: dict[str, int] = {}
         for _, (flat, _, _) in held:
             counts[flat] = counts.get(flat, 0) + 1
-        pieces = {
-            flat: _split(getattr(self, flat), *self._members[flat])
-            for flat, n in counts.items()
-            if _split_whole(len(self._members[flat][1]), n)
-        }
+        pieces: dict[str, Sequence[torch.Tensor]] = {}
+        for flat, n in counts.items():
+            how, members = self._members[flat]
+            if _split_whole(len(members), n):
+                pieces[flat] = _split(getattr(self, flat), how, _rows(members))
         out: dict[str, torch.Tensor] = {}
         for name, (flat, how, m) in held:
             split = pieces.get(flat)
@@ -1060,11 +1060,16 @@ def _split_whole(members: int, reads: int) -> bool:
     return reads > 1 and 4 * reads >= members
 
 
-def _split(flat: torch.Tensor, how: str, members: list[_Member]) -> Sequence[torch.Tensor]:
-    """Every member's part of ``flat``, by one op."""
+def _split(flat: torch.Tensor, how: str, rows: list[int]) -> Sequence[torch.Tensor]:
+    """Every member's part of ``flat``, by one op (``rows``: each member's, for "cat"); also
+    the target of the graph node that does it."""
     if how == "stack":
         return flat.unbind(0)
-    return flat.split([m.tensor.shape[0] for m in members])
+    return flat.split(rows)
+
+
+def _rows(members: list[_Member]) -> list[int]:
+    return [m.tensor.shape[0] for m in members] if members[0].tensor.dim() else []
 
 
 class _FlatViews:
@@ -1090,11 +1095,7 @@ class _FlatViews:
                 assert self.store.owner is not None
                 outer_how, members = self.store.owner._members[name]
                 flat = self.store.flat_node(name)
-                if outer_how == "stack":
-                    pieces = graph.call_method("unbind", (flat, 0))
-                else:
-                    sizes = [x.tensor.shape[0] for x in members]
-                    pieces = graph.call_method("split", (flat, sizes))
+                pieces = graph.call_function(_split, (flat, outer_how, _rows(members)))
                 self.split[name] = pieces
             node = graph.call_function(operator.getitem, (pieces, steps[0].index))
             steps = steps[1:]

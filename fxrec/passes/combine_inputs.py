@@ -41,6 +41,7 @@ from tensordict import TensorDictBase
 from torch import nn
 
 from fxrec.graph.capture import CaptureError, capture_symbolic
+from fxrec.graph.effects import eliminate_dead_code
 from fxrec.sparse import (
     CombinedFeatures,
     JaggedTensor,
@@ -551,7 +552,7 @@ def combine_inputs(
             root[target] = _get(wrapper if target.startswith("fxrec_combined_") else gm, target)
     new = fx.GraphModule(root, graph, f"Combined{type(model).__name__}")
     _adopt_hierarchy(new, model)
-    new.graph.eliminate_dead_code()
+    eliminate_dead_code(new.graph)  # keeps in-place buffer updates nothing reads
     new.graph.lint()
     new.recompile()
     dtypes = _example_dtypes(slots, example_inputs)

@@ -17,29 +17,8 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 
 import fxrec
-
-D = 8
-TOL = 1e-4
-
-
-class Slices(nn.Module):
-    """Slices -> LayerNorm -> tanh -> cat -> Linear (the LayerNorms fuse)."""
-
-    def __init__(self, untraceable: bool = False) -> None:
-        super().__init__()
-        self.norms = nn.ModuleList(nn.LayerNorm(D) for _ in range(4))
-        self.head = nn.Linear(4 * D, 1)
-        self.untraceable = untraceable
-        with torch.no_grad():
-            for m in self.norms:
-                m.weight.normal_()
-                m.bias.normal_()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.untraceable and x.dim() > 1:  # a branch on a shape: dynamo captures it
-            x = x + 0
-        h = [torch.tanh(n(x[:, D * i : D * i + D])) for i, n in enumerate(self.norms)]
-        return self.head(torch.cat(h, 1))
+from tests.graph.test_drop_in import TOL, D
+from tests.graph.test_hook_calls import Slices
 
 
 def _per_sample_grads(module: nn.Module, params: dict, x: torch.Tensor) -> dict:
@@ -58,7 +37,7 @@ def _batch_grads(module: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("untraceable", [False, True], ids=["symbolic", "dynamo"])
 def test_per_sample_gradients(untraceable: bool) -> None:
     torch.manual_seed(0)
-    model = Slices(untraceable=untraceable)
+    model = Slices(untraceable=untraceable, out=1)
     ref = copy.deepcopy(model)
     opt = fxrec.optimize(model, (torch.randn(16, 4 * D),))
     assert len(list(opt.parameters())) < len(list(ref.parameters()))  # laid out
@@ -89,7 +68,7 @@ class _Records(logging.Handler):
 @pytest.mark.parametrize("untraceable", [False, True], ids=["symbolic", "dynamo"])
 def test_optimize_of_a_compiled_model_optimizes_the_model(untraceable: bool) -> None:
     torch.manual_seed(0)
-    model = Slices(untraceable=untraceable)
+    model = Slices(untraceable=untraceable, out=1)
     twin, ref = copy.deepcopy(model), copy.deepcopy(model)
     example = (torch.randn(16, 4 * D),)
     records = _Records()
@@ -117,7 +96,7 @@ def test_torch_compile_of_an_optimized_module_breaks_its_graph_once(untraceable:
     from torch._dynamo.utils import counters
 
     torch.manual_seed(0)
-    model = Slices(untraceable=untraceable)
+    model = Slices(untraceable=untraceable, out=1)
     ref = copy.deepcopy(model)
     opt = fxrec.optimize(model, (torch.randn(16, 4 * D),))
     torch._dynamo.reset()

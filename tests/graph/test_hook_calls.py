@@ -14,25 +14,18 @@ import torch
 from torch import nn
 
 import fxrec
-
-D = 8
-TOL = 1e-4
+from tests.graph.test_drop_in import TOL, D, Norms
 
 
-class Slices(nn.Module):
-    """Slices -> LayerNorm -> tanh -> cat -> Linear (the LayerNorms fuse)."""
+class Slices(Norms):
+    """The seed pattern (the LayerNorms fuse), then a Linear head of ``out`` outputs."""
 
-    def __init__(self, untraceable: bool = False) -> None:
-        super().__init__()
-        self.norms = nn.ModuleList(nn.LayerNorm(D) for _ in range(4))
-        self.head = nn.Linear(4 * D, 3)
-        self.untraceable = untraceable
+    def __init__(self, untraceable: bool = False, out: int = 3) -> None:
+        super().__init__(4, untraceable)
+        self.head = nn.Linear(4 * D, out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.untraceable and x.dim() > 1:  # a branch on a shape: dynamo captures it
-            x = x + 0
-        h = [torch.tanh(n(x[:, D * i : D * i + D])) for i, n in enumerate(self.norms)]
-        return self.head(torch.cat(h, 1))
+        return self.head(super().forward(x))
 
 
 def _count_hooks(model: Slices, calls: dict[str, int]) -> None:

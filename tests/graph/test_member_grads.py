@@ -43,7 +43,9 @@ def _x() -> torch.Tensor:
     return torch.randn(16, N * D)
 
 
-def _trains_like(opt: nn.Module, named: nn.Module, ref: nn.Module, optim: str, **zero: bool) -> None:
+def _trains_like(
+    opt: nn.Module, named: nn.Module, ref: nn.Module, optim: str, **zero: bool
+) -> None:
     """Three penalized steps (the penalty on ``named``'s parameters) match ``ref``'s: losses,
     then every parameter."""
     o_opt, o_ref = OPTIMS[optim](list(opt.parameters())), OPTIMS[optim](list(ref.parameters()))
@@ -109,18 +111,22 @@ def test_parameters_unfrozen_after_optimize_take_the_penalty() -> None:
     _trains_like(opt, model, ref, "adam")
 
 
+def copied(module: nn.Module, how: str) -> nn.Module:
+    """``module`` copied by ``copy.deepcopy`` or a ``torch.save`` / ``torch.load`` round trip."""
+    if how == "deepcopy":
+        return copy.deepcopy(module)
+    buf = io.BytesIO()
+    torch.save(module, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
 @pytest.mark.parametrize("how", ["deepcopy", "torch.load"])
 def test_copies_take_the_penalty(how: str) -> None:
     """Copies come without gradient hooks: the layouts install them again."""
     _, opt, ref = _pair()
-    if how == "deepcopy":
-        copied = copy.deepcopy(opt)
-    else:
-        buf = io.BytesIO()
-        torch.save(opt, buf)
-        buf.seek(0)
-        copied = torch.load(buf, weights_only=False)
-    _trains_like(copied, copied.model, ref, "sgd")
+    copy_ = copied(opt, how)
+    _trains_like(copy_, copy_.model, ref, "sgd")
 
 
 def test_the_plain_model_trained_directly_takes_the_penalty() -> None:
@@ -155,10 +161,7 @@ def test_an_optimizer_built_before_optimize_raises_with_a_penalty() -> None:
 def test_an_optimizer_on_a_loaded_modules_members_raises() -> None:
     """``torch.load`` of the optimized module keeps the check on its members."""
     _, opt, _ = _pair()
-    buf = io.BytesIO()
-    torch.save(opt, buf)
-    buf.seek(0)
-    loaded = torch.load(buf, weights_only=False)
+    loaded = copied(opt, "torch.load")
     early = torch.optim.SGD(loaded.model.parameters(), lr=0.1)
     loaded(_x()).square().mean().backward()
     with pytest.raises(RuntimeError, match="Build the optimizer after optimize"):

@@ -14,7 +14,6 @@ parameters (through ``state_dict``, which reads the members).
 from __future__ import annotations
 
 import copy
-import io
 
 import pytest
 import torch
@@ -23,6 +22,7 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 import fxrec
 from tests.graph.test_drop_in import TOL
+from tests.graph.test_member_grads import copied
 
 TASKS, D, B = 3, 16, 32
 
@@ -150,14 +150,8 @@ def test_state_dict_round_trip() -> None:
 @pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
 def test_a_copy_trains_like_eager(how: str) -> None:
     _, opt, ref = _pair()
-    if how == "deepcopy":
-        copied = copy.deepcopy(opt)
-    else:
-        buf = io.BytesIO()
-        torch.save(opt, buf)
-        buf.seek(0)
-        copied = torch.load(buf, weights_only=False)
-    _trains_like(copied, copied.model, copy.deepcopy(ref))
+    copy_ = copied(opt, how)
+    _trains_like(copy_, copy_.model, copy.deepcopy(ref))
     _trains_like(opt, opt.model, ref)  # the original is independent of its copy
 
 

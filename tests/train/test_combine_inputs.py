@@ -419,3 +419,25 @@ def test_torchrec_kjt_is_combined_and_rebuilt_as_torchrecs():
         check_same(model, new, call, packer(*call))
     with pytest.raises(ValueError, match="must be TorchRec's KeyedJaggedTensor"):
         packer(args[0], make_kjt(keys, 4, g, True, False))
+
+
+class _Counting(DictAndJT):
+    """Counts its calls in a buffer, in place, whose result the forward never reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, feats, solo, dense):  # type: ignore[no-untyped-def]
+        self.calls.add_(1)
+        return super().forward(feats, solo, dense)
+
+
+def test_in_place_buffer_updates_nothing_reads_stay():
+    """Dead-code elimination keeps what has side effects: fx's own erased ``calls.add_(1)``."""
+    model = _Counting()
+    args = _dict_and_jt_args(0, 4)
+    new, packer = combine_inputs(model, args)
+    before = int(model.calls)
+    check_same(model, new, args, packer(*args))
+    assert int(model.calls) == before + 2  # the model's call and the combined module's
