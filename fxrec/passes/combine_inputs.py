@@ -16,7 +16,8 @@ What the rewritten graph starts with:
   already is combined; splitting it to join it again would copy twice), TorchRec's KJT as
   TorchRec's (for models holding TorchRec's modules), and so is a TensorDict
   argument that feeds fxrec's own collections (which take KJTs); other TensorDict uses get a
-  TensorDict of views over that slice.
+  TensorDict of views over that slice. A TensorDict's dense (non-jagged) entries are not
+  features: they travel as dense arguments and are put back into the rebuilt TensorDict.
 
 Order of use: ``new, packer = combine_inputs(model, args)``, then ``fxrec.optimize(new,
 packer(*args))`` (the rebuilt arguments are tracing leaves, so the graph rules see the same
@@ -29,15 +30,17 @@ their order are fixed, as they are in the model's signature.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import operator
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.fx as fx
-from tensordict import TensorDictBase
+from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
 from fxrec.graph.capture import CaptureError, capture_symbolic
@@ -69,6 +72,8 @@ class _Slot:
     positions: tuple[int, ...]  # argument positions (three for "tensors": values, lengths, weights)
     keys: tuple[str, ...] = ()  # features carried, in packing order
     start: int = 0  # index of the first of them among the combined features
+    dense_keys: tuple[str, ...] = ()  # a TensorDict's dense entries, carried as dense arguments
+    order: tuple[str, ...] = ()  # a TensorDict's entries, in its own order
 
 
 # -- host side -----------------------------------------------------------------------------
@@ -141,8 +146,9 @@ def _index(have: Sequence[str], want: Sequence[str], what: str) -> list[int]:
 class InputPacker:
     """Host side of :func:`combine_inputs`: the model's arguments -> the new module's.
 
-    ``packer(*args)`` returns ``(*dense_args, features)``; ``packer.unpack(*new_args)`` gives
-    the original arguments back (the round trip). Pack in the data loader (or a pipeline's
+    ``packer(*args)`` returns ``(*dense_args, features)``, the dense arguments followed by
+    the dense (non-jagged) entries of TensorDict arguments, if any;
+    ``packer.unpack(*new_args)`` gives the original arguments back (the round trip). Pack in the data loader (or a pipeline's
     ``host_fn``), then move ``features`` with ``features.to(device)``: 2 copies, 3 if weighted.
     """
 
@@ -159,6 +165,14 @@ class InputPacker:
     def dense_positions(self) -> tuple[int, ...]:
         return tuple(s.positions[0] for s in self.slots if s.kind == _DENSE)
 
+    def _td_entries(self, args: Sequence[Any]) -> list[torch.Tensor]:
+        """The dense entries of the TensorDict arguments (after the dense arguments)."""
+        out = []
+        for s in self.slots:
+            if s.kind == _TD and s.dense_keys:
+                out += _dense_entries(args[s.positions[0]], s)
+        return out
+
     def __call__(self, *args: Any) -> tuple[Any, ...]:
         if len(args) != self.num_args:
             raise ValueError(
@@ -170,7 +184,7 @@ class InputPacker:
                 got = _chunk_of(s, args)
                 chunks += got if isinstance(got, list) else [got]
         features = self._combine(chunks)
-        return (*(args[p] for p in self.dense_positions), features)
+        return (*(args[p] for p in self.dense_positions), *self._td_entries(args), features)
 
     def _combine(self, chunks: list[KeyedJaggedTensor | JaggedParts]) -> CombinedFeatures:
         spk: list[int] = []
@@ -233,6 +247,7 @@ class InputPacker:
         out: list[Any] = [None] * self.num_args
         for p, v in zip(self.dense_positions, dense):
             out[p] = v
+        entries = iter(dense[len(self.dense_positions) :])  # the TensorDicts' dense entries
         jts = _pieces_to_jts(cf, self.weighted)
         for s in self.slots:
             if s.kind == _DENSE:
@@ -243,7 +258,9 @@ class InputPacker:
             elif s.kind == _TR_KJT:
                 out[s.positions[0]] = to_torchrec(_kjt_slice(cf, s.start, len(s.keys), mine))
             elif s.kind == _TD:
-                out[s.positions[0]] = kjt_to_tensordict(_kjt_slice(cf, s.start, len(s.keys), mine))
+                kjt = _kjt_slice(cf, s.start, len(s.keys), mine)
+                mine_dense = [next(entries) for _ in s.dense_keys]
+                out[s.positions[0]] = _rebuild_td(kjt, s.dense_keys, s.order, mine_dense)
             elif s.kind == _JT_DICT:
                 out[s.positions[0]] = {k: jts[s.start + j] for j, k in enumerate(s.keys)}
             elif s.kind == _JT:
@@ -282,6 +299,46 @@ def _kjt_slice(
     return cf.kjt_slice(start, count, any(weighted))
 
 
+def _is_dense_entry(value: Any) -> bool:
+    """A TensorDict entry that is no feature: a plain (not nested) tensor."""
+    return isinstance(value, torch.Tensor) and not value.is_nested
+
+
+def _dense_entries(td: Any, slot: _Slot) -> list[torch.Tensor]:
+    if not isinstance(td, TensorDictBase):
+        raise ValueError(
+            f"argument {slot.positions[0]} must be a TensorDict, got {type(td).__name__}."
+        )
+    out = []
+    for k in slot.dense_keys:
+        value = td.get(k, None)
+        if not _is_dense_entry(value):
+            raise ValueError(
+                f"TensorDict argument {slot.positions[0]}: entry {k!r} must be a dense tensor "
+                f"(as in the example batch), got {type(value).__name__}."
+            )
+        out.append(value)
+    return out
+
+
+def _rebuild_td(
+    kjt: KeyedJaggedTensor,
+    dense_keys: Sequence[str],
+    order: Sequence[str],
+    dense: Sequence[torch.Tensor],
+) -> Any:
+    """The TensorDict of ``kjt``'s features and the ``dense`` entries, in its own order."""
+    td = kjt_to_tensordict(kjt)
+    if not dense_keys:
+        return td
+    entries = dict(td.items())
+    entries.update(zip(dense_keys, dense))
+    batch = list(td.batch_size)
+    if any(list(t.shape[: len(batch)]) != batch for t in dense):
+        batch = []  # a dense entry of another batch size: no common batch dimension
+    return TensorDict({k: entries[k] for k in order}, batch_size=batch, device=td.device)
+
+
 # -- device side: leaf modules that rebuild the original argument types -----------------------
 
 
@@ -295,21 +352,31 @@ class _Rebuild(nn.Module):
     _fxrec_leaf = True
 
     def __init__(
-        self, kind: str, keys: Sequence[str], start: int, weighted: Sequence[bool]
+        self,
+        kind: str,
+        keys: Sequence[str],
+        start: int,
+        weighted: Sequence[bool],
+        dense_keys: Sequence[str] = (),
+        order: Sequence[str] = (),
     ) -> None:
         super().__init__()
         self.kind = kind
         self.keys = tuple(keys)
         self.start = start
         self.weighted = tuple(weighted)
+        self.dense_keys = tuple(dense_keys)  # a TensorDict's dense entries: parts after cf
+        self.order = tuple(order)
 
     def forward(self, *parts: Any) -> Any:
         if self.kind in _KEYED:
-            (cf,) = parts
+            cf, *dense = parts
             kjt = _kjt_slice(cf, self.start, len(self.keys), self.weighted)
             if self.kind == _TR_KJT:
                 return to_torchrec(kjt)
-            return kjt if self.kind == _KJT else kjt_to_tensordict(kjt)
+            if self.kind == _KJT:
+                return kjt
+            return _rebuild_td(kjt, self.dense_keys, self.order, dense)
         # JaggedTensor kinds: ``start`` indexes the permute_and_split pieces.
         vals, lens, wts = parts
         n = len(self.keys)
@@ -369,8 +436,13 @@ def _classify(
             slots.append(_Slot(kind, (i,), keys))
             weighted += [value.weights_or_none() is not None] * len(keys)
         elif isinstance(value, TensorDictBase):
-            kjt = kjt_from_tensordict(value)
-            slots.append(_Slot(_TD, (i,), tuple(kjt.keys())))
+            order = tuple(value.keys())
+            dense = tuple(k for k in order if _is_dense_entry(value.get(k)))
+            if len(dense) == len(order):  # no features: a dense argument
+                slots.append(_Slot(_DENSE, (i,)))
+                continue
+            kjt = kjt_from_tensordict(value, [k for k in order if k not in dense])
+            slots.append(_Slot(_TD, (i,), tuple(kjt.keys()), dense_keys=dense, order=order))
             weighted += [kjt.weights_or_none() is not None] * len(kjt.keys())
         elif isinstance(value, JaggedTensor):
             slots.append(_Slot(_JT, (i,), (str(placeholders[i].target),)))
@@ -401,7 +473,7 @@ def _classify(
                 f"feature {dup[0]!r} appears in two arguments; feature names must be unique."
             )
         seen.update(s.keys)
-        out.append(_Slot(s.kind, s.positions, s.keys, start))
+        out.append(dataclasses.replace(s, start=start))
         start += len(s.keys)
     return out, weighted
 
@@ -479,12 +551,14 @@ def combine_inputs(
             "argument, or name tensor features with features={name: (values, lengths)}."
         )
 
+    dtypes = _example_dtypes(slots, example_inputs)
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for s in slots:
         if s.kind == _DENSE:
             ph = placeholders[s.positions[0]]
             env[ph] = graph.node_copy(ph)
+    entry_nodes = _td_entry_placeholders(graph, slots, placeholders)
     cf = graph.placeholder("features")
     wrapper = nn.Module()
     pieces = None
@@ -528,12 +602,13 @@ def combine_inputs(
             continue
         kind = s.kind
         ph = placeholders[s.positions[0]]
-        if kind == _TD and _feeds_fxrec_collection(ph, gm):
+        if kind == _TD and not s.dense_keys and _feeds_fxrec_collection(ph, gm):
             kind = _KJT  # fxrec's collections take KJTs too: skip building a TensorDict
         mine = weighted[s.start : s.start + len(s.keys)]
         if kind in _KEYED:
-            setattr(wrapper, name, _Rebuild(kind, s.keys, s.start, mine))
-            args: tuple[Any, ...] = (cf,)
+            rebuild = _Rebuild(kind, s.keys, s.start, mine, s.dense_keys, s.order)
+            setattr(wrapper, name, rebuild)
+            args: tuple[Any, ...] = (cf, *entry_nodes.get(s.positions[0], []))
         else:
             setattr(wrapper, name, _Rebuild(kind, s.keys, piece_of[s.start], mine))
             args = tuple(pieces)  # type: ignore[arg-type]
@@ -555,7 +630,6 @@ def combine_inputs(
     eliminate_dead_code(new.graph)  # keeps in-place buffer updates nothing reads
     new.graph.lint()
     new.recompile()
-    dtypes = _example_dtypes(slots, example_inputs)
     packer = InputPacker(slots, len(example_inputs), weighted, dtypes)
     logger.info(
         "combine_inputs: %d features from %d arguments -> 1 CombinedFeatures (%s)",
@@ -564,6 +638,27 @@ def combine_inputs(
         "one permute_and_split" if ops_needed else "views only",
     )
     return new, packer
+
+
+def _td_entry_placeholders(
+    graph: fx.Graph, slots: Sequence[_Slot], placeholders: Sequence[fx.Node]
+) -> dict[int, list[fx.Node]]:
+    """One placeholder per dense entry of a TensorDict argument (``<argument>_<entry>``), in
+    the packer's order: argument position -> its entries' placeholders."""
+    taken = {str(p.target) for p in placeholders} | {"features"}
+    out: dict[int, list[fx.Node]] = {}
+    for s in slots:
+        if s.kind != _TD or not s.dense_keys:
+            continue
+        nodes = out.setdefault(s.positions[0], [])
+        for key in s.dense_keys:
+            base = re.sub(r"\W", "_", f"{placeholders[s.positions[0]].target}_{key}")
+            name, n = base, 1
+            while name in taken:
+                name, n = f"{base}_{n}", n + 1
+            taken.add(name)
+            nodes.append(graph.placeholder(name))
+    return out
 
 
 def _adopt_hierarchy(new: fx.GraphModule, model: nn.Module) -> None:
@@ -587,8 +682,9 @@ def _get(obj: Any, target: str) -> Any:
 
 
 def _example_dtypes(slots: Sequence[_Slot], args: Sequence[Any]) -> tuple[Any, Any, Any]:
-    """(ids, lengths, weights) dtypes of the example batch: its first sparse feature's, and
-    its first weighted feature's weights (float32 when none is weighted)."""
+    """(ids, lengths, weights) dtypes of the example batch (weights: its first weighted
+    feature's, float32 when none is weighted). Every feature's ids (and lengths) share one
+    tensor, so the example's features must agree: the packer would refuse the example."""
     parts: list[JaggedParts] = []
     for s in slots:
         if s.kind != _DENSE:
@@ -597,6 +693,22 @@ def _example_dtypes(slots: Sequence[_Slot], args: Sequence[Any]) -> tuple[Any, A
                 parts.append(c if isinstance(c, JaggedParts) else JaggedParts.of_kjt(c))
     if not parts:
         raise ValueError("no sparse inputs")
+    ids: dict[torch.dtype, list[str]] = {}
+    lengths: dict[torch.dtype, list[str]] = {}
+    for p in parts:
+        if len(p.values) == len(p.keys):  # one ids tensor per feature
+            for k, v in zip(p.keys, p.values):
+                ids.setdefault(v.dtype, []).append(k)
+        else:
+            ids.setdefault(p.values[0].dtype, []).extend(p.keys)
+        lengths.setdefault(p.lengths.dtype, []).extend(p.keys)
+    for name, by_dtype in (("ids", ids), ("lengths", lengths)):
+        if len(by_dtype) > 1:
+            which = "; ".join(f"{d}: {keys[:5]}" for d, keys in by_dtype.items())
+            raise ValueError(
+                f"the example batch's features have {name} of different dtypes ({which}); "
+                f"every feature's {name} share one tensor. Cast them to one dtype in the data "
+                "loader (e.g. torch.int64)."
+            )
     w = next((p.weights[0] for p in parts if p.weights), None)
-    p0 = parts[0]
-    return p0.values[0].dtype, p0.lengths.dtype, torch.float32 if w is None else w.dtype
+    return next(iter(ids)), next(iter(lengths)), torch.float32 if w is None else w.dtype

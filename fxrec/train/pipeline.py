@@ -381,22 +381,29 @@ class TrainPipelineSparseDist(TrainPipelineBase):
                     except queue.Empty:
                         return _END
 
+    def _stop_reader(self) -> None:
+        """Stop the last iterator's reader (ended, or stopped early) and drop what it read."""
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._thread.join(timeout=max(1.0, 20 * self.poll_s))
+        if self._thread.is_alive():
+            logger.warning(
+                "fxrec pipeline: the last data loader is still blocked inside next(); its "
+                "thread is a daemon and will not keep the process alive"
+            )
+        self._thread = None
+        self._stop.clear()
+        while not self._queue.empty():
+            self._queue.get_nowait()
+        self._next = None
+        self._input_dist.discard()  # exchanges of batches read ahead that will not run
+
     def _start(self, source: Iterator[Any]) -> None:
-        if self._thread is not None:  # the last iterator's reader: ended, or stopped early
-            self._stop.set()
-            self._thread.join(timeout=max(1.0, 20 * self.poll_s))
-            if self._thread.is_alive():
-                logger.warning(
-                    "fxrec pipeline: the last data loader is still blocked inside next(); its "
-                    "thread is a daemon and will not keep the process alive"
-                )
-            self._stop.clear()
-            while not self._queue.empty():
-                self._queue.get_nowait()
-            self._next = None
-            self._input_dist.discard()  # exchanges of batches read ahead that will not run
+        self._stop_reader()
         self._source = source
         self._exhausted = self._peer_ended = False
+        self._announced = False  # the first batch of a pass is agreed on in a roll call
         self._start_reader(source, self._index)  # indices count every batch drawn, across epochs
 
     def _take(self) -> tuple[int, Any, BaseException | None, str] | None:
@@ -415,18 +422,27 @@ class TrainPipelineSparseDist(TrainPipelineBase):
 
     # -- public API ----------------------------------------------------------------------------
     def run(self, batches: Iterable[Any], max_steps: int | None = None) -> list[float]:
+        self._check_open()
+        if isinstance(batches, Iterator):  # go on where the last call stopped, if it is ours
+            if self._source is not None and batches is not self._source and not self._exhausted:
+                self._start(batches)  # another iterator: batches read ahead are dropped
+            return self._run(batches, max_steps)
+        # Starts over, as the base does. The reader stops first: a DataLoader with persistent
+        # workers resets, in iter(), the very iterator object the reader may still be reading.
+        self._stop_reader()
         it = iter(batches)
-        if self._source is not None and it is not self._source and not self._exhausted:
-            self._check_open()
-            self._start(it)  # starts over, as the base does: batches read ahead are dropped
+        self._start(it)
         return self._run(it, max_steps)
 
     run.__doc__ = TrainPipelineBase.run.__doc__
 
     def progress(self, dataloader_iter: Iterator[Any]) -> torch.Tensor:
         self._check_open()
-        if self._source is None or (dataloader_iter is not self._source and self._exhausted):
-            self._start(dataloader_iter)  # the first iterator, or the next epoch's
+        if self._source is None or self._exhausted:
+            # The first iterator, or the next epoch's: a new one, or the same one reset (a
+            # DataLoader with persistent workers returns the same iterator each epoch; one
+            # truly exhausted ends the new pass at once).
+            self._start(dataloader_iter)
         elif dataloader_iter is not self._source:
             raise ValueError(
                 "TrainPipelineSparseDist reads ahead from its iterator: keep passing the same "
@@ -502,6 +518,8 @@ class TrainPipelineSparseDist(TrainPipelineBase):
         self._input_dist.discard()
         if getattr(err, "ended", False):  # a MissingBatch: a peer's data ended
             self._peer_ended = True  # a peer's data ended: this rank's ends with it
+            # and its reader stops now: the next epoch's iter() may reset the very iterator
+            self._stop_reader()
         raise PipelineError(index, stage, err) from err
 
     def _backward_step(self, loss: torch.Tensor) -> None:

@@ -344,6 +344,25 @@ def test_clear_errors():
         p2(torch.randn(2, 3), KeyedJaggedTensor(["zz"], kjt.values(), lengths=kjt.lengths()))
 
 
+@pytest.mark.parametrize("part", ["ids", "lengths"])
+def test_example_features_of_mixed_dtypes_are_refused_when_combining(part):
+    # every feature's ids (and lengths) share one tensor: an example batch whose features
+    # disagree is refused here, naming them, rather than by its own packer later
+    feats, solo, dense = _dict_and_jt_args(2, 3)
+    x = feats["x"]
+    values, lengths = x.values(), x.lengths()
+    if part == "ids":
+        values = values.int()
+    else:
+        lengths = lengths.int()
+    feats["x"] = JaggedTensor(values, lengths=lengths)
+    with pytest.raises(ValueError, match=rf"{part} of different dtypes") as info:
+        combine_inputs(DictAndJT(), (feats, solo, dense))
+    msg = str(info.value)
+    assert "torch.int32: ['x']" in msg and "torch.int64: ['y', 'solo']" in msg
+    assert "Cast them" in msg
+
+
 @torch.fx.wrap
 def _read(features):
     return fxrec.sparse.kjt_from_tensordict(features).values().float().sum()
@@ -441,3 +460,73 @@ def test_in_place_buffer_updates_nothing_reads_stay():
     before = int(model.calls)
     check_same(model, new, args, packer(*args))
     assert int(model.calls) == before + 2  # the model's call and the combined module's
+
+
+@torch.fx.wrap
+def _kjt_of(td):
+    return fxrec.sparse.kjt_from_tensordict(td)
+
+
+class DenseInTensorDict(nn.Module):
+    """Reads dense entries of its TensorDict next to the features (the usual TD batch)."""
+
+    def __init__(self, keys: list[str]) -> None:
+        super().__init__()
+        self.keys = keys
+        self.bags = nn.ModuleList(
+            nn.EmbeddingBag(NUM_EMB, 3, mode="sum", include_last_offset=True) for _ in keys
+        )
+        self.over = nn.Linear(3 + 1 + 3 * len(keys), 1)
+
+    def forward(self, td):
+        kjt = _kjt_of(td.select(*self.keys))
+        pooled = [
+            bag(kjt[k].values(), kjt[k].offsets(), kjt[k].weights_or_none())
+            for k, bag in zip(self.keys, self.bags)
+        ]
+        return self.over(torch.cat([td["dense"], td["age"].unsqueeze(1), *pooled], 1))
+
+
+def _td_with_dense(keys, batch, g):  # type: ignore[no-untyped-def]
+    """Weighted features (sub-TensorDicts) with dense entries first and in the middle."""
+    from tensordict import TensorDict
+
+    feats = kjt_to_tensordict(make_kjt(keys, batch, g, weighted=True, vbe=False))
+    entries = {"dense": torch.randn(batch, 3, generator=g), "f0": feats["f0"]}
+    entries["age"] = torch.rand(batch, generator=g)
+    entries["f1"] = feats["f1"]
+    return TensorDict(entries, batch_size=[batch])
+
+
+def test_tensordict_dense_entries_travel_as_dense_arguments():
+    # Only a TensorDict's jagged entries are features; its dense ones go through the packer as
+    # dense arguments and are put back, in place, into the TensorDict the graph rebuilds.
+    import copy
+
+    keys = ["f0", "f1"]
+    g = torch.Generator().manual_seed(4)
+    torch.manual_seed(4)
+    model = DenseInTensorDict(keys)
+    plain = copy.deepcopy(model)  # the combined module trains the model's own parameters
+    td = _td_with_dense(keys, 4, g)
+    new, packer = combine_inputs(model, (td,))
+    new_args = packer(td)
+    assert len(new_args) == 3 and new_args[0] is td["dense"] and new_args[1] is td["age"]
+    assert list(new_args[-1].keys) == keys and transfer_count(new_args[-1]) == 3
+    check_same(plain, new, (td,), new_args)
+    (back,) = packer.unpack(*new_args)
+    assert list(back.keys()) == list(td.keys()) and back["dense"] is td["dense"]
+    torch.testing.assert_close(back["f1"]["weights"].values(), td["f1"]["weights"].values())
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (plain, new)]
+    for batch in (3, 5, 4):  # fresh batches of other sizes
+        td = _td_with_dense(keys, batch, g)
+        for m, opt, args in ((plain, opts[0], (td,)), (new, opts[1], packer(td))):
+            opt.zero_grad()
+            m(*args).sum().backward()
+            opt.step()
+    want, got = dict(plain.named_parameters()), dict(new.named_parameters())
+    assert want.keys() == got.keys()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="entry 'age' must be a dense tensor"):
+        packer(td.exclude("age"))

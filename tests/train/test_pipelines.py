@@ -353,3 +353,50 @@ def test_host_threads_must_be_positive():
     model, opt = fresh(KEYS)
     with pytest.raises(ValueError, match="host_threads"):
         TrainPipelineSparseDist(model, opt, host_threads=0)
+
+
+def _first(items):  # type: ignore[no-untyped-def]
+    return items[0]
+
+
+def _persistent_loader(batches):  # type: ignore[no-untyped-def]
+    """A DataLoader whose iter() returns the same iterator object each epoch, reset."""
+    from torch.utils.data import DataLoader
+
+    return DataLoader(
+        batches, batch_size=1, collate_fn=_first, num_workers=1, persistent_workers=True
+    )
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("pipeline_cls", PIPELINES)
+def test_persistent_workers_train_every_epoch(pipeline_cls):
+    """Each epoch's ``iter(loader)`` is the last epoch's iterator, reset: a pass that ended
+    starts over on it (it used to end at once from the second epoch on)."""
+    batches = make_batches(KEYS, 4, seed=11)
+    loader = _persistent_loader(batches)
+    assert iter(loader) is iter(loader)
+    ref_losses, ref_params = reference(batches * 4)
+    model, opt = fresh(KEYS)
+    with pipeline_cls(model, opt, "cpu") as pipe:
+        losses = []
+        for _ in range(3):  # TorchRec's epoch loop
+            epoch, errors = drive(pipe, iter(loader))
+            assert len(epoch) == len(batches) and not errors
+            losses += epoch
+        losses += pipe.run(loader)
+    assert_same(losses, params(model), ref_losses, ref_params)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("pipeline_cls", PIPELINES)
+def test_run_starts_a_persistent_workers_loader_over(pipeline_cls):
+    """``run`` stops reading ahead before its ``iter()`` resets the iterator being read."""
+    batches = make_batches(KEYS, 4, seed=12)
+    loader = _persistent_loader(batches)
+    ref_losses, ref_params = reference(batches[:2] + batches[:2] + batches)
+    model, opt = fresh(KEYS)
+    with pipeline_cls(model, opt, "cpu") as pipe:
+        losses = pipe.run(loader, max_steps=2) + pipe.run(loader, max_steps=2)
+        losses += pipe.run(loader)
+    assert_same(losses, params(model), ref_losses, ref_params)
