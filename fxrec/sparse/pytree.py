@@ -4,12 +4,19 @@
 The spec (context) holds only static metadata (keys, a variable batch's per-key strides,
 KeyedTensor widths), never per-batch figures, so a new batch reuses a compiled graph. Offsets
 are not leaves: they are derived from lengths, and keeping them out keeps the spec stable.
+
+``torch.export.save``/``load`` write each context as JSON; the dumpable-context functions here
+bring back the exact tuples, because a loaded program matches inputs against its spec by
+equality. The types are also allowed in ``torch.load(weights_only=True)``, which is how a
+saved program's example inputs are read back.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
+import torch
 import torch.fx._pytree as fx_pytree
 import torch.utils._pytree as pytree
 
@@ -82,6 +89,39 @@ def _kt_unflatten(leaves: Any, ctx: Any) -> KeyedTensor:
     return kt
 
 
+def _jt_dump(ctx: None) -> str:
+    return json.dumps(ctx)
+
+
+def _jt_load(dumped: str) -> None:
+    if json.loads(dumped) is not None:
+        raise ValueError(
+            f"A JaggedTensor's pytree context is null but the file holds {dumped!r}; "
+            f"export the program again with this fxrec."
+        )
+
+
+def _kjt_dump(ctx: tuple[tuple[str, ...], tuple[int, ...] | None]) -> str:
+    keys, spk = ctx
+    return json.dumps({"keys": list(keys), "stride_per_key": None if spk is None else list(spk)})
+
+
+def _kjt_load(dumped: str) -> tuple[tuple[str, ...], tuple[int, ...] | None]:
+    d = json.loads(dumped)
+    spk = d["stride_per_key"]
+    return tuple(d["keys"]), None if spk is None else tuple(int(s) for s in spk)
+
+
+def _kt_dump(ctx: tuple[tuple[str, ...], tuple[int, ...], int]) -> str:
+    keys, lpk, key_dim = ctx
+    return json.dumps({"keys": list(keys), "length_per_key": list(lpk), "key_dim": key_dim})
+
+
+def _kt_load(dumped: str) -> tuple[tuple[str, ...], tuple[int, ...], int]:
+    d = json.loads(dumped)
+    return tuple(d["keys"]), tuple(int(n) for n in d["length_per_key"]), int(d["key_dim"])
+
+
 def _spec_leaves(flatten: Any) -> Any:
     def fn(obj: Any, spec: pytree.TreeSpec) -> list[Any]:
         return flatten(obj)[0]
@@ -90,14 +130,25 @@ def _spec_leaves(flatten: Any) -> Any:
 
 
 def register_pytrees() -> None:
-    """Register the three types once (idempotent; done on ``import fxrec.sparse``)."""
+    """Register the three types once (idempotent; done on ``import fxrec.sparse``).
+
+    Also allows them in ``torch.load(weights_only=True)``: they hold only tensors, ints, strings,
+    lists and dicts, and a saved exported program's example inputs are read back that way.
+    """
     global _registered
     if _registered:
         return
-    for cls, flat, flat_keys, unflat in (
-        (JaggedTensor, _jt_flatten, _jt_flatten_with_keys, _jt_unflatten),
-        (KeyedJaggedTensor, _kjt_flatten, _kjt_flatten_with_keys, _kjt_unflatten),
-        (KeyedTensor, _kt_flatten, _kt_flatten_with_keys, _kt_unflatten),
+    for cls, flat, flat_keys, unflat, dump, load in (
+        (JaggedTensor, _jt_flatten, _jt_flatten_with_keys, _jt_unflatten, _jt_dump, _jt_load),
+        (
+            KeyedJaggedTensor,
+            _kjt_flatten,
+            _kjt_flatten_with_keys,
+            _kjt_unflatten,
+            _kjt_dump,
+            _kjt_load,
+        ),
+        (KeyedTensor, _kt_flatten, _kt_flatten_with_keys, _kt_unflatten, _kt_dump, _kt_load),
     ):
         pytree.register_pytree_node(
             cls,
@@ -105,6 +156,9 @@ def register_pytrees() -> None:
             unflat,
             flatten_with_keys_fn=flat_keys,
             serialized_type_name=f"fxrec.sparse.{cls.__name__}",
+            to_dumpable_context=dump,
+            from_dumpable_context=load,
         )
         fx_pytree.register_pytree_flatten_spec(cls, _spec_leaves(flat))
+    torch.serialization.add_safe_globals([JaggedTensor, KeyedJaggedTensor, KeyedTensor])
     _registered = True

@@ -1,19 +1,27 @@
 """torch.export of models with fxrec's collection, plain and optimized, strict and not: the
 exported program computes what the model computes on fresh batches of other sizes, and
-exporting leaves the module's caches holding no tracing-time tensors."""
+exporting leaves the module's caches holding no tracing-time tensors. A program saved with
+``torch.export.save`` and read back with ``torch.export.load`` (how it reaches a serving host)
+takes sparse inputs as the exported one does, and loads without falling back to unsafe
+unpickling."""
 
 from __future__ import annotations
 
+import logging
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 from torch.export import Dim, ShapesCollection
 
 import fxrec
 from fxrec.nn import EmbeddingBagCollection, EmbeddingBagConfig
-from fxrec.sparse import KeyedJaggedTensor
+from fxrec.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
 KEYS = ["f0", "f1", "f2", "f3"]
 
@@ -73,8 +81,11 @@ def test_exported_program_matches_the_model(strict: bool, weighted: bool, optimi
         kjt = _batch(rows, weighted, g)
         torch.testing.assert_close(exported(kjt), model(kjt), rtol=1e-5, atol=1e-6)
     caches = [model.ebc._device_consts, model.ebc._plans]
-    assert not any(isinstance(v, torch.Tensor) and type(v) is not torch.Tensor
-                   for c in caches for v in c.values())
+    assert not any(
+        isinstance(v, torch.Tensor) and type(v) is not torch.Tensor
+        for c in caches
+        for v in c.values()
+    )
     torch.testing.assert_close(run(example), model(example), rtol=1e-5, atol=1e-6)
 
 
@@ -153,3 +164,115 @@ def test_fxrec_export_of_a_dynamo_capture_raises() -> None:
     with pytest.raises(ValueError, match="captured with dynamo"):
         fxrec.export(opt, example)
     torch._dynamo.reset()
+
+
+@contextmanager
+def _warnings_logged(name: str) -> Iterator[list[logging.LogRecord]]:
+    """The records of WARNING and above that logger ``name`` emits inside the block."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger(name)
+    logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+
+
+def _save_and_load(ep: torch.export.ExportedProgram, path: Path) -> torch.export.ExportedProgram:
+    torch.export.save(ep, path)
+    with _warnings_logged("torch._export.serde.serialize") as records:
+        loaded = torch.export.load(path)
+    assert not records, [r.getMessage() for r in records]  # no unsafe-unpickling fallback
+    assert loaded.call_spec.in_spec == ep.call_spec.in_spec
+    return loaded
+
+
+@pytest.mark.parametrize("optimized", [False, True])
+def test_saved_and_loaded_program_takes_kjt_inputs(optimized: bool, tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    model = Heads().eval()
+    example = (torch.randn(3, 6), _batch(3, False, g))
+    shapes = _dynamic(example[1])
+    shapes[example[0]] = {0: Dim.DYNAMIC}
+    if optimized:
+        ep = fxrec.export(fxrec.optimize(model, example).eval(), example, dynamic_shapes=shapes)
+    else:
+        ep = torch.export.export(model, example, dynamic_shapes=shapes)
+    loaded = _save_and_load(ep, tmp_path / "heads.pt2")
+    for rows in (2, 5, 9):
+        batch = (torch.randn(rows, 6), _batch(rows, False, g))
+        torch.testing.assert_close(loaded.module()(*batch), model(*batch), rtol=1e-5, atol=1e-6)
+    dense, kjt = loaded.example_inputs[0]
+    assert isinstance(kjt, KeyedJaggedTensor) and kjt.keys() == KEYS
+    torch.testing.assert_close((dense, kjt.values()), (example[0], example[1].values()))
+
+
+class KeyedHeads(nn.Module):
+    """A KeyedTensor of two keys (widths 3 and 5), a Linear per key."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.u = nn.Linear(3, 2)
+        self.v = nn.Linear(5, 2)
+
+    def forward(self, kt: KeyedTensor) -> torch.Tensor:
+        d = kt.to_dict()
+        return self.u(d["u"]) * torch.sigmoid(self.v(d["v"]))
+
+
+class Bags(nn.Module):
+    """Sum-pooled bags of a JaggedTensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bag = nn.EmbeddingBag(10, 4, mode="sum")
+
+    def forward(self, jt: JaggedTensor) -> torch.Tensor:
+        return self.bag(jt.values(), jt.offsets()[:-1])
+
+
+def _kt(rows: int, g: torch.Generator) -> KeyedTensor:
+    return KeyedTensor(["u", "v"], [3, 5], torch.randn(rows, 8, generator=g))
+
+
+def _jt(rows: int, g: torch.Generator) -> JaggedTensor:
+    lengths = torch.randint(0, 4, (rows,), generator=g)
+    return JaggedTensor(torch.randint(0, 10, (int(lengths.sum()),), generator=g), lengths=lengths)
+
+
+@pytest.mark.parametrize("kind", ["keyed_tensor", "jagged_tensor"])
+def test_saved_and_loaded_program_takes_kt_and_jt_inputs(kind: str, tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    model, make = (KeyedHeads(), _kt) if kind == "keyed_tensor" else (Bags(), _jt)
+    example = make(3, g)
+    shapes = ShapesCollection()
+    for t in pytree.tree_leaves(example):
+        if t is not None:
+            shapes[t] = {0: Dim.DYNAMIC}
+    ep = torch.export.export(model, (example,), dynamic_shapes=shapes)
+    loaded = _save_and_load(ep, tmp_path / f"{kind}.pt2")
+    for rows in (2, 6):
+        x = make(rows, g)
+        torch.testing.assert_close(loaded.module()(x), model(x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        KeyedJaggedTensor(["a", "b"], torch.arange(5), lengths=torch.tensor([1, 0, 2, 2])),
+        KeyedJaggedTensor(
+            ["a", "b"], torch.arange(5), lengths=torch.tensor([1, 2, 2]), stride_per_key=[1, 2]
+        ),
+        KeyedTensor(["u", "v"], [2, 1], torch.zeros(3, 2, 2), key_dim=0),
+        JaggedTensor(torch.arange(3), lengths=torch.tensor([1, 2])),
+    ],
+    ids=["kjt", "kjt_variable_batch", "kt_key_dim_0", "jt"],
+)
+def test_pytree_spec_survives_serialization(value: object) -> None:
+    """What export writes for an input's spec reads back equal (tuples stay tuples)."""
+    spec = pytree.tree_structure(value)
+    assert pytree.treespec_loads(pytree.treespec_dumps(spec)) == spec
