@@ -34,7 +34,9 @@ __all__ = [
     "CaptureError",
     "FxrecTracer",
     "capture_symbolic",
+    "torchrec_kept_whole",
     "lift_params_to_attrs",
+    "opaque_modules_note",
     "param_names",
     "prune_attrs",
 ]
@@ -49,8 +51,66 @@ class CaptureError(RuntimeError):
     assigned: tuple[str, ...] = ()
 
 
+# TorchRec's dense modules and model arches: plain tensor code, traced through so that their
+# layers fuse like the model's own. ``SparseArch`` is traced through too, with its collection
+# a leaf (a sharded collection inside becomes visible to the overlap rule).
+_TORCHREC_DENSE = (
+    "torchrec.modules.activation",
+    "torchrec.modules.crossnet",
+    "torchrec.modules.deepfm",
+    "torchrec.modules.mlp",
+    "torchrec.models",
+)
+
+
+def torchrec_kept_whole(m: nn.Module) -> bool:
+    """Is ``m`` one of TorchRec's modules the tracer keeps whole?
+
+    Everything under ``torchrec`` but its dense modules (:data:`_TORCHREC_DENSE`): embedding
+    collections, feature processors, managed collisions, pools and ``torchrec.distributed``
+    read KJT internals or hold state a trace would freeze; a module not known to be dense
+    stays whole, which is always correct. Outside ``torchrec.distributed``, a module holding
+    one of fxrec's collections (a sharded one swapped in) is traced through, so that rules
+    reach the collection (the overlap rule, its all-to-alls).
+    """
+    mod = type(m).__module__
+    if not mod.startswith("torchrec."):
+        return False
+    if any(mod == d or mod.startswith(d + ".") for d in _TORCHREC_DENSE):
+        return False
+    if mod.startswith("torchrec.distributed."):
+        return True
+    return not any(getattr(sub, "_fxrec_leaf", False) for sub in m.modules())
+
+
+def opaque_modules_note(gm: fx.GraphModule) -> str | None:
+    """The report's note on TorchRec modules the graph calls whole that hold parameters.
+
+    Rules see such a module as one call: its layers never fuse, and its embedding lookups are
+    TorchRec's, not fxrec's grouped ones. None when the graph calls no such module.
+    """
+    kept: dict[str, str] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_module" or node.target in kept:
+            continue
+        m = gm.get_submodule(node.target)
+        if torchrec_kept_whole(m) and next(m.parameters(), None) is not None:
+            kept[node.target] = type(m).__name__
+    if not kept:
+        return None
+    listed = ", ".join(f"{name} ({cls})" for name, cls in list(kept.items())[:4])
+    more = ", ..." if len(kept) > 4 else ""
+    return (
+        f"kept whole (not traced into): {len(kept)} TorchRec module(s) holding parameters: "
+        f"{listed}{more}; fxrec.nn.EmbeddingBagCollection takes TorchRec's configs and "
+        "state_dict and runs grouped lookups"
+    )
+
+
 class FxrecTracer(fx.Tracer):
     """Symbolic tracer that keeps fxrec's and TorchRec's sparse modules as leaves.
+
+    TorchRec's dense modules (``MLP``, ``CrossNet``, DLRM's arches) are traced through.
 
     Buffers are proxies (``get_attr`` nodes), as parameters are: a computation on buffers
     alone (``torch.tanh(self.scale)``) runs on every call, so a buffer loaded or changed
@@ -86,8 +146,7 @@ class FxrecTracer(fx.Tracer):
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         if getattr(m, "_fxrec_leaf", False):
             return True
-        mod = type(m).__module__
-        if mod.startswith("torchrec."):
+        if torchrec_kept_whole(m):
             return True
         return super().is_leaf_module(m, qualname)
 
@@ -178,10 +237,9 @@ def _refuse_written_constants(graph: fx.Graph) -> None:
     """A tensor made at trace time (``torch.zeros(4, 8)``) is one constant of the graph: the
     graph must not write it in place (every call would see the last call's writes), nor
     return it (the caller could)."""
+
     def constant(n: Any) -> bool:
-        return isinstance(n, fx.Node) and n.op == "get_attr" and "_tensor_constant" in str(
-            n.target
-        )
+        return isinstance(n, fx.Node) and n.op == "get_attr" and "_tensor_constant" in str(n.target)
 
     for node in graph.nodes:
         written = written_target(node) if mutates_input(node) else None

@@ -21,6 +21,7 @@ import torch.fx as fx
 from torch.fx.node import map_arg
 
 from fxrec.graph import meta
+from fxrec.graph.capture import opaque_modules_note
 from fxrec.graph.driver import run_rules
 from fxrec.graph.params import FusedParameters, ParamStore
 from fxrec.graph.report import Report
@@ -130,6 +131,9 @@ def optimize_graph(
         )
     report.nodes_before += before
     report.nodes_after += len(gm.graph.nodes)
+    opaque = opaque_modules_note(gm)
+    if opaque:
+        report.note(opaque)
     if not specialized_later and _symbolic_inputs(gm):
         note = (
             "dynamic shapes: rules need static sizes, so graphs with symbolic ones are left "

@@ -7,12 +7,16 @@ the config is built: a bad table is reported where it is written, not at the fir
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["POOLINGS", "EmbeddingBagConfig"]
 
@@ -123,12 +127,20 @@ class EmbeddingBagConfig:
     # ---- TorchRec interop ---------------------------------------------------------------
     @staticmethod
     def from_torchrec(config: Any) -> EmbeddingBagConfig:
-        """The same table from a ``torchrec.EmbeddingBagConfig`` (FP32 tables only)."""
+        """The same table from a ``torchrec.EmbeddingBagConfig`` (FP32 tables only).
+
+        Its ``init_fn`` comes along (TorchRec's default, uniform within the bounds, becomes
+        ``None``, which initialises the same way). Fields fxrec's collection has no use for
+        raise when set to a value that changes the table (``use_virtual_table``...), and are
+        dropped with a warning when only TorchRec's sharded or inference modules read them
+        (``need_pos``, ``num_embeddings_post_pruning``).
+        """
         dtype = getattr(getattr(config, "data_type", None), "name", "FP32")
         if dtype != "FP32":
             raise ValueError(
                 f"table {config.name!r}: only FP32 tables are supported, got data_type {dtype}."
             )
+        _refuse_unsupported(config)
         return EmbeddingBagConfig(
             name=config.name,
             num_embeddings=int(config.num_embeddings),
@@ -137,6 +149,7 @@ class EmbeddingBagConfig:
             pooling=config.pooling,
             weight_init_min=config.weight_init_min,
             weight_init_max=config.weight_init_max,
+            init_fn=_custom_init_fn(config),
         )
 
     def to_torchrec(self) -> Any:
@@ -154,4 +167,58 @@ class EmbeddingBagConfig:
             pooling=PoolingType[self.pooling.upper()],
             weight_init_min=self.weight_init_min,
             weight_init_max=self.weight_init_max,
+            init_fn=self.init_fn,  # None: TorchRec's uniform within the same bounds
         )
+
+
+# TorchRec fields with no counterpart here, and their defaults. Those that change the table
+# itself (a virtual id space, ids bucketed for zero-collision hashing, tables updated by
+# writes) raise; those read only by TorchRec's sharded or inference modules (a position-
+# weighted table under row-wise sharding, a table pruned for inference, stashed weights)
+# leave the trained table as it is, and are dropped with a warning.
+_CHANGES_TABLE: dict[str, Any] = {
+    "input_dim": None,
+    "total_num_buckets": None,
+    "use_virtual_table": False,
+    "virtual_table_eviction_policy": None,
+    "enable_embedding_update": False,
+}
+_SHARDED_OR_INFERENCE_ONLY: dict[str, Any] = {
+    "num_embeddings_post_pruning": None,
+    "need_pos": False,
+    "stash_weights": False,
+}
+
+
+def _refuse_unsupported(config: Any) -> None:
+    """Raise for a TorchRec field fxrec's collection cannot honour; warn for one it drops."""
+    for attr, default in {**_CHANGES_TABLE, **_SHARDED_OR_INFERENCE_ONLY}.items():
+        value = getattr(config, attr, default)
+        if value == default:
+            continue
+        if attr in _CHANGES_TABLE:
+            raise ValueError(
+                f"table {config.name!r}: TorchRec's {attr}={value!r} has no counterpart in "
+                f"fxrec's EmbeddingBagCollection; leave it at {default!r} to use this table "
+                "here, or keep TorchRec's collection for it."
+            )
+        logger.warning(
+            "table %r: TorchRec's %s=%r is not carried over (only TorchRec's sharded or "
+            "inference modules read it; fxrec's collection trains the full table).",
+            config.name,
+            attr,
+            value,
+        )
+
+
+def _custom_init_fn(config: Any) -> Callable[[torch.Tensor], Any] | None:
+    """``config.init_fn``, or None where it is TorchRec's default (uniform in the bounds)."""
+    fn = getattr(config, "init_fn", None)
+    if (
+        isinstance(fn, functools.partial)
+        and fn.func is torch.nn.init.uniform_
+        and not fn.args
+        and fn.keywords == {"a": config.get_weight_init_min(), "b": config.get_weight_init_max()}
+    ):
+        return None
+    return fn

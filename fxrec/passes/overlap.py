@@ -6,7 +6,8 @@ node (blocks until the data is there). The rule reorders the graph so that
 * each request is issued as early as its inputs allow: the request and its whole input cone
   (the ids' preprocessing, the lookups feeding an output all-to-all) are scheduled before
   any node that does not feed a request. Models written in the wrong order (the dense tower
-  before the sparse lookup, as TorchRec's DLRM does) get fixed by the same move;
+  before the sparse lookup, as TorchRec's DLRM does: its arches are traced through, so a
+  collection sharded inside its ``SparseArch`` is in the graph) get fixed by the same move;
 * each wait comes as late as it can, with independent compute (the dense arch, another
   collection's lookup) before it. Collectives often form a chain, request -> wait ->
   request -> wait (the id counts give the split sizes of the ids all-to-all, whose ids feed

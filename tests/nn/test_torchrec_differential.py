@@ -3,6 +3,8 @@ same keys, outputs and per-table gradients; checkpoints move both ways."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -92,3 +94,62 @@ def test_checkpoints_move_both_ways() -> None:
     theirs.load_state_dict(ours.state_dict())
     for k, v in ours.state_dict().items():
         assert torch.equal(theirs.state_dict()[k], v)
+
+
+def _quarter_(w: torch.Tensor) -> torch.Tensor:
+    return torch.nn.init.constant_(w, 0.25)
+
+
+def test_init_fn_moves_both_ways() -> None:
+    """A table TorchRec initialises with its own ``init_fn`` starts the same here."""
+    theirs = trec.EmbeddingBagConfig(
+        name="t", embedding_dim=4, num_embeddings=10, feature_names=["f"], init_fn=_quarter_
+    )
+    from_config = EmbeddingBagCollection([EmbeddingBagConfig.from_torchrec(theirs)])
+    from_raw = EmbeddingBagCollection([theirs])  # type: ignore[list-item]
+    for ours in (from_config, from_raw):
+        assert torch.equal(ours.embedding_bags["t"].weight, torch.full((10, 4), 0.25))
+    back = trec.EmbeddingBagCollection(
+        tables=[EmbeddingBagConfig("t", 10, 4, init_fn=_quarter_).to_torchrec()]
+    )
+    assert torch.equal(back.embedding_bags["t"].weight, torch.full((10, 4), 0.25))
+
+
+def test_default_init_stays_uniform_within_bounds() -> None:
+    """TorchRec's default ``init_fn`` (uniform in the bounds) is the default here too."""
+    theirs = trec.EmbeddingBagConfig(
+        name="t", embedding_dim=4, num_embeddings=9, weight_init_min=0.5, weight_init_max=0.75
+    )
+    ours = EmbeddingBagConfig.from_torchrec(theirs)
+    assert ours.init_fn is None
+    weight = EmbeddingBagCollection([ours]).embedding_bags["t"].weight
+    assert weight.min() >= 0.5 and weight.max() <= 0.75
+    assert EmbeddingBagConfig.from_torchrec(ours.to_torchrec()) == ours
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_fields_without_counterpart_raise_or_warn() -> None:
+    """A field that changes the table raises; one only sharded/inference modules read warns."""
+    virtual = trec.EmbeddingBagConfig(
+        name="t", embedding_dim=4, num_embeddings=9, use_virtual_table=True
+    )
+    with pytest.raises(ValueError, match="use_virtual_table"):
+        EmbeddingBagConfig.from_torchrec(virtual)
+    pruned = trec.EmbeddingBagConfig(
+        name="t", embedding_dim=4, num_embeddings=9, num_embeddings_post_pruning=3
+    )
+    records, log = _Records(), logging.getLogger("fxrec.nn.config")
+    log.addHandler(records)
+    try:
+        EmbeddingBagConfig.from_torchrec(pruned)
+    finally:
+        log.removeHandler(records)
+    assert any("num_embeddings_post_pruning=3 is not carried over" in m for m in records.messages)
