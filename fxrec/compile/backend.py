@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from collections import Counter
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
@@ -183,6 +184,11 @@ def _size_symbols(gm: fx.GraphModule, inner: str | Backend) -> SizeSymbols | Non
     return SizeSymbols.of(gm)
 
 
+def _fired(report: Report) -> Counter[tuple[str, int]]:
+    """What a graph's rewrite did: each rule that fired, with the size of each set."""
+    return Counter((f.rule, len(f.nodes)) for f in report.firings)
+
+
 def compile_backend(
     inner: str | Backend = "inductor",
     *,
@@ -223,19 +229,21 @@ def compile_backend(
         symbols = _size_symbols(gm, inner) if keep is None else None
         captured = copy.deepcopy(gm.graph) if symbols is not None else None  # before rules
 
-        def optimize(g: fx.GraphModule, specialized_later: bool = False) -> None:
+        def optimize(g: fx.GraphModule, into: Report, specialized_later: bool = False) -> None:
             optimize_graph(
                 g,
                 rule_list,
                 owner=owner,
-                report=rep,
+                report=into,
                 device_type=device,
                 runs_eagerly=eager,
                 for_inductor=inner_is_inductor,
                 specialized_later=specialized_later,
             )
 
-        optimize(gm, specialized_later=symbols is not None)
+        symbolic = Report(capture="dynamo")  # what the graph with symbolic sizes got
+        optimize(gm, symbolic, specialized_later=symbols is not None)
+        rep.merge(symbolic)
         note_unfused(gm, rep)
         fill_example_values(gm)
         if any(comm_kind(n) for n in gm.graph.nodes):
@@ -243,7 +251,17 @@ def compile_backend(
         if keep is None and symbols is not None and captured is not None:
 
             def build(copy_gm: fx.GraphModule, args: list[Any]) -> Callable[..., Any]:
-                optimize(copy_gm)
+                mine = Report(capture="dynamo")
+                optimize(copy_gm, mine)
+                if not eager and _fired(mine) == _fired(symbolic):
+                    # static sizes fused nothing more (Inductor's cost model on a CPU
+                    # refuses most sets): the compiled symbolic graph serves these sizes too
+                    rep.note(
+                        "dynamic shapes: copies for concrete sizes that fuse nothing more than "
+                        "the graph with symbolic sizes are not compiled; it runs them"
+                    )
+                    return fallback
+                rep.merge(mine)
                 return inner_fn(drop_example_values(copy_gm), args)
 
             when = "first call" if eager else "second call (the first compiles nothing)"

@@ -153,3 +153,63 @@ def test_other_inner_backends_see_the_symbolic_graph() -> None:
     backend = fxrec.compile_backend(rec)
     torch.compile(Towers(), backend=backend, dynamic=True)(torch.randn(3, 24))
     assert len(rec.graphs) == 1 and any("need static sizes" in n for n in backend.report.notes)
+
+
+def _counting_compiles(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Patch the inner backend resolver so each graph the inner backend compiles is counted."""
+    import fxrec.compile.backend as backend_mod
+
+    real = backend_mod.inner_backend
+    compiles: list[int] = []
+
+    def counting(inner):  # type: ignore[no-untyped-def]
+        fn = real(inner)
+
+        def compile_one(gm, args):  # type: ignore[no-untyped-def]
+            compiles.append(1)
+            return fn(gm, args)
+
+        return compile_one
+
+    monkeypatch.setattr(backend_mod, "inner_backend", counting)
+    return compiles
+
+
+class Plain(nn.Module):
+    """Nothing for a rule to fuse, whatever the sizes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(24, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x))
+
+
+def test_copies_that_fuse_nothing_more_are_not_compiled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compiling inner backend compiles a copy for concrete sizes only where the copy fuses
+    more than the graph with symbolic sizes; otherwise that compiled graph runs the sizes."""
+    compiles = _counting_compiles(monkeypatch)
+    torch.manual_seed(0)
+    plain = Plain()
+    twin = copy.deepcopy(plain)
+    backend = fxrec.compile_backend("aot_eager")
+    compiled = torch.compile(twin, backend=backend, dynamic=True)
+    first = 0
+    for b in [16, 16, 5, 5, 9, 9]:
+        x = torch.randn(b, 24)
+        got, want = _step(twin, compiled, x), _step(plain, plain, x)
+        torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)
+        for g, w in zip(got[1], want[1]):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+        first = first or len(compiles)
+    assert first > 0 and len(compiles) == first  # sizes seen twice compiled nothing more
+    assert any("are not compiled" in n for n in backend.report.notes)
+
+    compiles.clear()
+    torch._dynamo.reset()
+    towers, twin, plain, backend = _compiled("aot_eager", True)
+    _trains_like_plain(towers, twin, plain, [16])
+    first = len(compiles)
+    _trains_like_plain(towers, twin, plain, [16, 5, 5])
+    assert len(compiles) == first + 2  # a fused copy for 16 and one for 5
