@@ -22,6 +22,7 @@ import logging
 import operator
 import types
 import warnings
+import weakref
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
@@ -44,20 +45,31 @@ __all__ = ["OptimizedModule", "optimize"]
 
 MAX_CACHED_SIGNATURES = 8
 
-# How many parameters any module registered (``module.weight = nn.Parameter(...)`` too):
-# a change tells an optimized module to look whether its model's parameters were replaced.
+# How many parameters and submodules any module registered (``module.weight =
+# nn.Parameter(...)``, ``model.act = nn.GELU()``, ``seq.append(m)``): a change tells an
+# optimized module to look whether its model's parameters or submodules were replaced.
 _registered = [0]
-_registration_hook: Any = None
+_registration_hooks: Any = None
+# The modules of optimized models: only registrations on them count. A ModuleList sliced in
+# forward (``self.towers[1:]``) registers into a new container on every call, which no
+# optimized model holds.
+_watched: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 def _count_registrations() -> int:
-    global _registration_hook
-    if _registration_hook is None:
+    global _registration_hooks
+    if _registration_hooks is None:
 
-        def count(module: nn.Module, name: str, param: Any) -> None:
-            _registered[0] += 1
+        def count(module: nn.Module, name: str, value: Any) -> None:
+            # Not while dynamo or export traces: a traced registration (that slice) must not
+            # change Python state, which a checkpointed region refuses.
+            if not torch.compiler.is_compiling() and module in _watched:
+                _registered[0] += 1
 
-        _registration_hook = nn.modules.module.register_module_parameter_registration_hook(count)
+        _registration_hooks = (
+            nn.modules.module.register_module_parameter_registration_hook(count),
+            nn.modules.module.register_module_module_registration_hook(count),
+        )
     return _registered[0]
 
 
@@ -129,7 +141,8 @@ class OptimizedModule(nn.Module):
         self._dynamo_backend: Any = None
         self._assigned: set[str] = set()  # buffers forward reassigns: dynamo reads them per call
         self._submodules = list(model.modules())
-        self._params_seen = _count_registrations()
+        _watched.update(self._submodules)
+        self._registrations_seen = _count_registrations()
         self._params = dict(model.named_parameters(remove_duplicate=False))
         self._slots_stamp: Any = None
         self._hooks_seen = -1  # RemovableHandle.next_id when submodules were last looked at
@@ -189,8 +202,8 @@ class OptimizedModule(nn.Module):
         """What runs these arguments (built on first sight), and the arguments as bound."""
         if kwargs:
             args, kwargs = self._bind(args, kwargs)
-        if _registered[0] != self._params_seen:
-            self._check_params()
+        if _registered[0] != self._registrations_seen:
+            self._check_registrations()
         key = self._key(args, kwargs)
         runner = self._runners.get(key)
         if runner is None:
@@ -214,37 +227,104 @@ class OptimizedModule(nn.Module):
         tables, names, params = self._slots
         return any(map(operator.is_not, map(dict.get, tables, names), params))
 
+    def _check_registrations(self) -> None:
+        """Something registered a parameter or a submodule: if it was the model's, rebuild."""
+        self._check_params()
+        self._check_modules()
+        self._registrations_seen = _registered[0]
+
     def _check_params(self) -> None:
         """Graphs bake the model's parameter objects in: rebuild them after one was replaced
         (``model.fc.weight = nn.Parameter(w)``); a laid-out member replaced cannot be (its
-        values live in the flat parameter the optimizer holds), so that raises."""
+        values live in the flat parameter the optimizer holds), so that raises. A member
+        still in the model under another name (two towers swapped) is no replacement."""
         now = dict(self.model.named_parameters(remove_duplicate=False))
         changed = [n for n in {*now, *self._params} if now.get(n) is not self._params.get(n)]
-        if changed:
-            members = self.fxrec_fused.member_ids()
-            laid_out = [n for n in changed if id(self._params.get(n)) in members]
-            if laid_out:
-                owner_name, _, leaf = laid_out[0].rpartition(".")
-                owner = self.model.get_submodule(owner_name)
-                if f"{leaf}_orig" in owner._parameters or hasattr(owner, "parametrizations"):
-                    raise RuntimeError(
-                        f"fxrec: parameter {laid_out[0]!r} was reparametrized after "
-                        "fxrec.optimize (pruning, weight_norm, parametrize), but its values live "
-                        "in a flat parameter (fxrec_fused.*) that the optimizer holds. Apply it "
-                        "to the model first, then call fxrec.optimize."
-                    )
-                raise RuntimeError(
-                    f"fxrec: parameter {laid_out[0]!r} was replaced after fxrec.optimize, but "
-                    "its values live in a flat parameter (fxrec_fused.*) that the optimizer "
-                    "holds. Copy new values into it in place (`with torch.no_grad(): "
-                    "param.copy_(new)`), or put the old parameter back and optimize again."
-                )
-            logger.info("fxrec: parameters %s were replaced; rebuilding graphs", changed[:3])
-            self._runners.clear()
-            self._overflow.clear()
-            self._traced.clear()
-            self._params = now
-        self._params_seen = _registered[0]
+        if not changed:
+            return
+        members = self.fxrec_fused.member_ids()
+        present = set(map(id, now.values()))
+        for name in sorted(changed):
+            if id(self._params.get(name)) in members:
+                self._check_replaced_member(name, moved=id(self._params[name]) in present)
+        logger.info("fxrec: parameters %s were replaced; rebuilding graphs", changed[:3])
+        self._forget_graphs()
+        self._params = now
+
+    def _check_replaced_member(self, name: str, moved: bool) -> None:
+        """Raise for laid-out parameter ``name`` no longer at its name (replaced, or its
+        module replaced or removed), saying what to do instead; ``moved``: still in the model
+        under another name, which graphs rebuilt on the flat parameters follow, unless it was
+        reparametrized."""
+        owner_name, _, leaf = name.rpartition(".")
+        try:
+            owner = self.model.get_submodule(owner_name)
+        except AttributeError:
+            owner = None
+        if owner is not None and (
+            f"{leaf}_orig" in owner._parameters or hasattr(owner, "parametrizations")
+        ):
+            raise RuntimeError(
+                f"fxrec: parameter {name!r} was reparametrized after fxrec.optimize (pruning, "
+                "weight_norm, parametrize), but its values live in a flat parameter "
+                "(fxrec_fused.*) that the optimizer holds. Apply it to the model first, then "
+                "call fxrec.optimize."
+            )
+        if moved:
+            return
+        replaced = self._new_module_on(owner_name)
+        if replaced is not None:
+            module = f"module {replaced!r}" if replaced else "the model"
+            raise RuntimeError(
+                f"fxrec: {module}, which holds the laid-out parameter {name!r}, was "
+                "replaced or removed after fxrec.optimize, but that parameter's values live in "
+                "a flat parameter (fxrec_fused.*) that the optimizer holds. Load new values "
+                "into the old module in place (`old.load_state_dict(new.state_dict())`), or "
+                "optimize the changed model again (and build a new optimizer)."
+            )
+        raise RuntimeError(
+            f"fxrec: parameter {name!r} was replaced after fxrec.optimize, but its values live "
+            "in a flat parameter (fxrec_fused.*) that the optimizer holds. Copy new values "
+            "into it in place (`with torch.no_grad(): param.copy_(new)`), or put the old "
+            "parameter back and optimize again."
+        )
+
+    def _new_module_on(self, path: str) -> str | None:
+        """The outermost module on ``path`` that is not one the model had when its graphs
+        were built (replaced, or gone), or None."""
+        known = set(map(id, self._submodules))
+        parts = path.split(".") if path else []
+        for i in range(len(parts) + 1):
+            prefix = ".".join(parts[:i])
+            try:
+                module = self.model.get_submodule(prefix)
+            except AttributeError:
+                return prefix
+            if id(module) not in known:
+                return prefix
+        return None
+
+    def _check_modules(self) -> None:
+        """Graphs call the submodules they were built with, and ``_mode`` reads the flags and
+        hooks of those: after one was replaced or added (``model.act = nn.GELU()``,
+        ``seq.append(m)``), follow the model's modules and rebuild."""
+        now = list(self.model.modules())
+        old = self._submodules
+        if len(now) == len(old) and all(map(operator.is_, now, old)):
+            return
+        logger.info("fxrec: submodules of the model were replaced or added; rebuilding graphs")
+        self._forget_graphs()
+        self._submodules = now
+        _watched.update(now)
+        self._hooks_seen = -1  # hooks looked for again, on the new modules
+        self._hooked_modules, self._hook_sizes = [], []
+        # (the parameter tables ``_params_swapped`` checks follow the registration count)
+
+    def _forget_graphs(self) -> None:
+        """Drop every graph: they hold the model's modules and tensors as they were."""
+        self._runners.clear()
+        self._overflow.clear()
+        self._traced.clear()
 
     def _key(self, args: tuple, kwargs: dict) -> Any:
         return (
@@ -615,9 +695,7 @@ class OptimizedModule(nn.Module):
         self.fxrec_fused.check_conversion(fn)
         super()._apply(fn, recurse)
         self.fxrec_fused.relink()
-        self._runners.clear()  # graphs hold references to the old tensors
-        self._overflow.clear()
-        self._traced.clear()
+        self._forget_graphs()  # graphs hold references to the old tensors
         self._params = dict(self.model.named_parameters(remove_duplicate=False))
         return self
 
@@ -635,6 +713,10 @@ class OptimizedModule(nn.Module):
         state["_global_ids"] = ()
         state["fxrec_report"] = self.fxrec_report.for_copy()
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        _watched.update(self._submodules)  # a loaded model's modules are new objects
 
     def __deepcopy__(self, memo: dict[int, Any]) -> OptimizedModule:
         """An independent copy: the model deep-copied, its parameters laid out as here.
