@@ -1348,6 +1348,20 @@ def _as_args(model: nn.Module, example: Any) -> tuple:
     return (example,)
 
 
+def _updates_in_backward(model: nn.Module) -> bool:
+    """Does a module of ``model`` update its own parameters in backward? fbgemm's
+    table-batched lookups built with an optimizer, and TorchRec's sharded or fused modules
+    (which expose ``fused_optimizer``), apply the step inside the backward kernel, where
+    nothing can undo it."""
+    for m in model.modules():
+        if hasattr(type(m), "fused_optimizer"):  # a property or a method (TorchRec's)
+            return True
+        optim = m.__dict__.get("optimizer")
+        if type(optim).__name__ == "EmbOptimType" and getattr(optim, "name", "NONE") != "NONE":
+            return True
+    return False
+
+
 def _kernels(model: nn.Module, opt: OptimizedModule, runner: Any, args: tuple) -> tuple[Any, Any]:
     """(forward, backward) kernels of one training step of ``model`` and of ``opt`` (whose
     ``runner`` serves ``args``).
@@ -1355,8 +1369,9 @@ def _kernels(model: nn.Module, opt: OptimizedModule, runner: Any, args: tuple) -
     Runs each once on the example inputs without leaving a trace: gradients, buffers and the
     RNG stream are restored, and the user's module hooks do not run. Counting is best effort
     (None when the model's outputs have no gradient to run backward from, or a step fails),
-    and skipped when it would run the user's hooks: parameter gradient hooks, or module hooks
-    compiled into a graph, which cannot run without them.
+    and skipped when it would run the user's hooks (parameter gradient hooks, or module hooks
+    compiled into a graph, which cannot run without them) or train the model (a module whose
+    backward applies an optimizer step).
     """
     from torch.utils._pytree import tree_leaves
 
@@ -1365,6 +1380,8 @@ def _kernels(model: nn.Module, opt: OptimizedModule, runner: Any, args: tuple) -
 
     if any(has_grad_hooks(p) for p in model.parameters()):
         return None, None  # a counting step would run the user's gradient hooks
+    if _updates_in_backward(model):
+        return None, None  # a counting step would train it
     hooked = _hooked(model.modules())
     if hooked and not isinstance(runner, (fx.GraphModule, _EagerRunner)):
         return None, None  # compiled with the hooks in it, or compiled on its first run
