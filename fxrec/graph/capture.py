@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "CaptureError",
     "FxrecTracer",
+    "capture_lock",
     "capture_symbolic",
     "torchrec_kept_whole",
     "lift_params_to_attrs",
@@ -40,6 +41,15 @@ __all__ = [
     "param_names",
     "prune_attrs",
 ]
+
+
+# fx's tracer patches ``nn.Module.__call__`` and ``__getattr__`` for the whole process, and
+# FxrecTracer patches ``torch.randn`` & co. and ``torch.utils.checkpoint``; each trace saves
+# what it finds and puts it back at its end, so two traces at once would put back each
+# other's patches, left installed for good. Every capture holds this lock, and so does
+# ``fxrec.optimize``'s whole build of a graph (trace, rules, check, first compile), which
+# runs the graphs and the model it captures.
+capture_lock = threading.RLock()
 
 
 class CaptureError(RuntimeError):
@@ -127,7 +137,8 @@ class FxrecTracer(fx.Tracer):
 
     def trace(self, root: Any, concrete_args: Any = None) -> fx.Graph:
         self._modes = _modes()
-        with _checkpoint_refused(), _constant_draws_refused():
+        self._thread = threading.get_ident()
+        with capture_lock, _checkpoint_refused(), _constant_draws_refused():
             graph = super().trace(root, concrete_args)
         _refuse_written_constants(graph)
         return graph
@@ -142,6 +153,20 @@ class FxrecTracer(fx.Tracer):
                 "(torch.no_grad, torch.autocast), which a trace would drop"
             )
         return super().create_node(*args, **kwargs)
+
+    # fx patches ``nn.Module.__call__`` and ``__getattr__`` for the whole process while it
+    # traces, and its patches defer to these two methods: a module called on another thread
+    # meanwhile (a plain model serving requests) runs as written, rather than being recorded
+    # in this graph or raising NameError (not a submodule of the traced model).
+    def call_module(self, m: nn.Module, forward: Any, args: tuple, kwargs: dict) -> Any:
+        if threading.get_ident() != getattr(self, "_thread", None):
+            return forward(*args, **kwargs)
+        return super().call_module(m, forward, args, kwargs)
+
+    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict) -> Any:
+        if threading.get_ident() != getattr(self, "_thread", None):
+            return attr_val
+        return super().getattr(attr, attr_val, parameter_proxy_cache)
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         if getattr(m, "_fxrec_leaf", False):
@@ -173,20 +198,34 @@ for _name in (
 
 @contextlib.contextmanager
 def _checkpoint_refused() -> Iterator[None]:
-    """``torch.utils.checkpoint.checkpoint`` raises while tracing (both of its variants)."""
+    """``torch.utils.checkpoint.checkpoint`` raises while tracing (both of its variants), on
+    the tracing thread only: other threads (a pipeline's, another model's) checkpoint as
+    usual."""
     import torch.utils.checkpoint as ckpt
 
-    def refuse(*args: Any, **kwargs: Any) -> Any:
-        raise CaptureError("activation checkpointing (torch.utils.checkpoint) in forward")
-
-    saved_fn = ckpt.CheckpointFunction.apply
+    cls = ckpt.CheckpointFunction
+    own = cls.__dict__.get("apply")  # None: inherited from autograd.Function, as usual
+    saved_fn = cls.apply
     saved_gen = ckpt._checkpoint_without_reentrant_generator
-    ckpt.CheckpointFunction.apply = refuse  # type: ignore[method-assign]
-    ckpt._checkpoint_without_reentrant_generator = refuse  # type: ignore[assignment]
+    tracing = threading.get_ident()
+
+    def refusing(fn: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if threading.get_ident() == tracing:
+                raise CaptureError("activation checkpointing (torch.utils.checkpoint) in forward")
+            return fn(*args, **kwargs)
+
+        return call
+
+    cls.apply = refusing(saved_fn)  # type: ignore[method-assign]
+    ckpt._checkpoint_without_reentrant_generator = refusing(saved_gen)  # type: ignore[assignment]
     try:
         yield
     finally:
-        ckpt.CheckpointFunction.apply = saved_fn  # type: ignore[method-assign]
+        if own is None:
+            del cls.apply  # the inherited classmethod again, not a bound copy of it
+        else:
+            cls.apply = own  # type: ignore[method-assign]
         ckpt._checkpoint_without_reentrant_generator = saved_gen
 
 
@@ -264,17 +303,18 @@ def capture_symbolic(model: nn.Module) -> fx.GraphModule:
             "through it would drop"
         )
     tracer = FxrecTracer()
-    saved = _buffer_state(model)
-    try:
-        graph = tracer.trace(model)
-        # Code generation fails too, e.g. on ``forward(x, y=None, *, z)``.
-        gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
-    except CaptureError:
-        raise
-    except Exception as exc:  # tracing fails in many, unpredictable ways
-        raise CaptureError(f"symbolic tracing failed: {type(exc).__name__}: {exc}") from exc
-    finally:
-        written = _restore_written(saved)
+    with capture_lock:  # one capture at a time, its buffers put back before the next
+        saved = _buffer_state(model)
+        try:
+            graph = tracer.trace(model)
+            # Code generation fails too, e.g. on ``forward(x, y=None, *, z)``.
+            gm = fx.GraphModule(tracer.root, graph, type(model).__name__)
+        except CaptureError:
+            raise
+        except Exception as exc:  # tracing fails in many, unpredictable ways
+            raise CaptureError(f"symbolic tracing failed: {type(exc).__name__}: {exc}") from exc
+        finally:
+            written = _restore_written(saved)
     if written:
         error = CaptureError(
             f"symbolic tracing skipped: forward assigns buffer {written[0]!r} (``self.n += 1``, "

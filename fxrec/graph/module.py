@@ -33,7 +33,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from fxrec.graph import meta
-from fxrec.graph.capture import CaptureError, capture_symbolic
+from fxrec.graph.capture import CaptureError, capture_lock, capture_symbolic
 from fxrec.graph.effects import comm_kind, has_hooks
 from fxrec.graph.optimize_graph import RuleSpec, optimize_graph, resolve_rules
 from fxrec.graph.params import FusedParameters, ParamStore, laid_out
@@ -179,13 +179,16 @@ class OptimizedModule(nn.Module):
         return self._call(args, kwargs)
 
     def _call(self, args: tuple, kwargs: dict) -> Any:
+        # read from ``_modules`` directly: ``self.fxrec_fused`` goes through two
+        # ``__getattr__``s, about 1 us a read on every call
+        fused = self._modules["fxrec_fused"]
         if self._params_swapped() or _transformed():
             # torch.func (functional_call, vmap, grad): the tensors given, run eagerly; no
             # graph is built or checked for them (a check cannot run under vmap).
-            self.fxrec_fused.sync_requires_grad()
-            return _EagerRunner(self.model, self.fxrec_fused)(*args, **kwargs)
+            fused.sync_requires_grad()
+            return _EagerRunner(self.model, fused)(*args, **kwargs)
         runner, args, kwargs = self._runner(args, kwargs)
-        self.fxrec_fused.sync_requires_grad()
+        fused.sync_requires_grad()
         try:
             out = runner(*args, **kwargs)
         except Exception as exc:
@@ -195,7 +198,8 @@ class OptimizedModule(nn.Module):
             if isinstance(runner, _DynamoRunner) and not runner.communicates:
                 _raise_if_model_fails(self.model, args, kwargs, cause=exc)
             raise
-        self.fxrec_fused.freeze()  # the first call's layouts are the ones the optimizer holds
+        if not fused.frozen:
+            fused.freeze()  # the first call's layouts are the ones the optimizer holds
         return out
 
     def _runner(self, args: tuple, kwargs: dict) -> tuple[Any, tuple, dict]:
@@ -203,7 +207,8 @@ class OptimizedModule(nn.Module):
         if kwargs:
             args, kwargs = self._bind(args, kwargs)
         if _registered[0] != self._registrations_seen:
-            self._check_registrations()
+            with capture_lock:  # not while another thread builds a graph of the old model
+                self._check_registrations()
         key = self._key(args, kwargs)
         runner = self._runners.get(key)
         if runner is None:
@@ -215,7 +220,7 @@ class OptimizedModule(nn.Module):
         writes them into the modules' ``_parameters`` (no registration), while graphs hold the
         tensors they were built with; the model run eagerly reads them (per-sample gradients,
         meta-learning). Rechecked on every call: about 50 ns a parameter."""
-        stamp = (_registered[0], len(self.fxrec_fused._parameters))
+        stamp = (_registered[0], len(self._modules["fxrec_fused"]._parameters))
         if self._slots_stamp != stamp:
             self._slots_stamp = stamp
             slots = [
@@ -392,7 +397,20 @@ class OptimizedModule(nn.Module):
 
     @torch.compiler.disable  # built and checked as eager code under an outer torch.compile
     def _build(self, key: Any, args: tuple, kwargs: dict, example: bool = False) -> Any:
-        """The runner for ``key``; ``example``: built by ``optimize`` on its example inputs."""
+        """The runner for ``key``; ``example``: built by ``optimize`` on its example inputs.
+
+        Under ``capture_lock``: serving threads making their first calls at once would each
+        trace (fx patches ``nn.Module.__call__`` process-wide, and overlapping traces leave
+        their patches installed). The first builds; the others wait, then take its runner.
+        Calls that find a runner (every later one) take no lock.
+        """
+        with capture_lock:
+            runner = self._runners.get(key)
+            if runner is None:
+                runner = self._build_locked(key, args, kwargs, example)
+            return runner
+
+    def _build_locked(self, key: Any, args: tuple, kwargs: dict, example: bool) -> Any:
         mode = key[0]
         loose = [
             k
@@ -609,7 +627,7 @@ class OptimizedModule(nn.Module):
         self.fxrec_report.capture = self.fxrec_report.capture or report.capture
         self.fxrec_report.merge(report)
         if self._backend != "eager":  # the optimized graph, compiled (parameters as inputs)
-            return torch.compile(gm, backend=self._backend, dynamic=None)
+            return _CompiledGraph(torch.compile(gm, backend=self._backend, dynamic=None))
         return gm
 
     def __getattr__(self, name: str) -> Any:
@@ -851,6 +869,7 @@ class _DynamoRunner:
         self.param_list: list[nn.Parameter] = []
         self.grad_flags: list[bool] | None = None
         self.collectives: bool | None = None  # see ``communicates``
+        self.grad_modes_run: set[bool] = set()  # dynamo compiled for these (see _through_dynamo)
 
     # Never traced into by an outer torch.compile (``torch.compile(fxrec.optimize(m))``):
     # dynamo would inline the model's own forward, on the parameters fxrec laid out, instead
@@ -868,6 +887,13 @@ class _DynamoRunner:
             return direct(*args)
         if not self.try_direct or kwargs or len(args) != len(self.params):
             return self._through_dynamo(args, kwargs)  # defaults left out: dynamo fills them in
+        with capture_lock:  # dynamo compiles now (see _through_dynamo)
+            if not self.try_direct:  # another thread's first call came first
+                return self(*args, **kwargs)
+            return self._first_call(args)
+
+    def _first_call(self, args: tuple) -> Any:
+        """Compile through dynamo, then decide whether later calls may skip it."""
         self.try_direct = False
         graphs = self.backend.graphs
         first = len(graphs)
@@ -912,6 +938,19 @@ class _DynamoRunner:
         and running the call again would send this rank's collectives twice. Dynamo runs
         such a frame eagerly itself; its own frame is cached per input signature."""
         if self.exhausted:
+            return self.fallback(*args, **kwargs)
+        grad = torch.is_grad_enabled()
+        if grad in self.grad_modes_run:
+            return self._dynamo_call(args, kwargs)
+        # Dynamo compiles on a grad mode's first call (and fxrec's backend runs the rules and
+        # the graphs it builds): never while another thread traces, as a build.
+        with capture_lock:
+            out = self._dynamo_call(args, kwargs)
+        self.grad_modes_run.add(grad)
+        return out
+
+    def _dynamo_call(self, args: tuple, kwargs: dict) -> Any:
+        if self.exhausted:  # reached the limit in another thread
             return self.fallback(*args, **kwargs)
         fail = not self.communicates
         try:
@@ -1036,6 +1075,25 @@ def _autocast_state() -> tuple:
         torch.get_autocast_dtype(d) if torch.is_autocast_enabled(d) else None
         for d in ("cpu", "cuda")
     )
+
+
+class _CompiledGraph:
+    """An optimized graph under ``torch.compile``, which compiles on the first call in each
+    grad mode: that call holds ``capture_lock``, as a build does (never while another thread
+    traces)."""
+
+    def __init__(self, compiled: Any) -> None:
+        self.compiled = compiled
+        self.grad_modes_run: set[bool] = set()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        grad = torch.is_grad_enabled()
+        if grad in self.grad_modes_run:
+            return self.compiled(*args, **kwargs)
+        with capture_lock:
+            out = self.compiled(*args, **kwargs)
+        self.grad_modes_run.add(grad)
+        return out
 
 
 class _EagerRunner:
