@@ -91,6 +91,12 @@ class Report:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def __repr__(self) -> str:
+        """The summary, as ``print`` gives it: a REPL or notebook shows this, and the dataclass
+        fields list every node name (tens of thousands of characters on large models);
+        ``to_dict()`` has them all."""
+        return str(self)
+
     def __str__(self) -> str:
         lines = [
             f"fxrec report ({self.capture or 'no capture'}): nodes {self.nodes_before} -> "

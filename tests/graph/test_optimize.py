@@ -301,6 +301,7 @@ def test_report_prints() -> None:
     opt = fxrec.optimize(Scales(), _inputs(), rules=[StackedScale])
     text = str(opt.fxrec_report)
     assert "test_stacked_scale" in text and "nodes" in text
+    assert repr(opt.fxrec_report) == text  # a REPL shows the summary, not every node name
 
 
 class _DynamoOnly(nn.Module):
