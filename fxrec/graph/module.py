@@ -20,6 +20,7 @@ import inspect
 import itertools
 import logging
 import operator
+import threading
 import types
 import warnings
 import weakref
@@ -56,6 +57,29 @@ _registration_hooks: Any = None
 _watched: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
+class _OwnCalls(threading.local):
+    """How deep this thread is in optimized modules' own calls (and ``optimize``'s build).
+
+    A forward that assigns a module on itself (``self.head = nn.Identity()``) registers on
+    every run; the runs fxrec makes (traces, checks, the model run eagerly) and the user's
+    calls are the model's own behaviour, not an edit, and must not make the next call
+    rebuild. Other threads' registrations still count."""
+
+    depth = 0
+
+
+_own_calls = _OwnCalls()
+
+
+@contextlib.contextmanager
+def _own_call() -> Iterator[None]:
+    _own_calls.depth += 1
+    try:
+        yield
+    finally:
+        _own_calls.depth -= 1
+
+
 def _count_registrations() -> int:
     global _registration_hooks
     if _registration_hooks is None:
@@ -63,7 +87,7 @@ def _count_registrations() -> int:
         def count(module: nn.Module, name: str, value: Any) -> None:
             # Not while dynamo or export traces: a traced registration (that slice) must not
             # change Python state, which a checkpointed region refuses.
-            if not torch.compiler.is_compiling() and module in _watched:
+            if not _own_calls.depth and module in _watched and not torch.compiler.is_compiling():
                 _registered[0] += 1
 
         _registration_hooks = (
@@ -108,6 +132,20 @@ def _structure(x: Any) -> Any:
             return ("T", len(x[1]), *x[2:])
         return tuple(_structure(i) for i in x)
     return x
+
+
+# What an optimized module keeps for itself among public names set on it; others are the
+# model's (see ``OptimizedModule.__setattr__``).
+_OWN_NAMES = frozenset({"training", "model", "fxrec_fused", "fxrec_report"})
+_MISSING = object()
+
+
+def _same_value(old: Any, new: Any) -> bool:
+    """Is ``new`` the value ``old`` was (the object, or an equal number or string)?"""
+    if old is new:
+        return True
+    plain = (bool, int, float, str)
+    return type(old) is type(new) and isinstance(new, plain) and old == new
 
 
 class OptimizedModule(nn.Module):
@@ -179,28 +217,33 @@ class OptimizedModule(nn.Module):
         return self._call(args, kwargs)
 
     def _call(self, args: tuple, kwargs: dict) -> Any:
-        # read from ``_modules`` directly: ``self.fxrec_fused`` goes through two
-        # ``__getattr__``s, about 1 us a read on every call
-        fused = self._modules["fxrec_fused"]
-        if self._params_swapped() or _transformed():
-            # torch.func (functional_call, vmap, grad): the tensors given, run eagerly; no
-            # graph is built or checked for them (a check cannot run under vmap).
-            fused.sync_requires_grad()
-            return _EagerRunner(self.model, fused)(*args, **kwargs)
-        runner, args, kwargs = self._runner(args, kwargs)
-        fused.sync_requires_grad()
+        own = _own_calls  # registrations made while this call runs are no edits
+        own.depth += 1
         try:
-            out = runner(*args, **kwargs)
-        except Exception as exc:
-            # dynamo reports bad inputs as its own errors: the model's own is clearer. Not
-            # once the graphs communicate: running the model again would run its collectives
-            # on this rank alone, which its peers never join.
-            if isinstance(runner, _DynamoRunner) and not runner.communicates:
-                _raise_if_model_fails(self.model, args, kwargs, cause=exc)
-            raise
-        if not fused.frozen:
-            fused.freeze()  # the first call's layouts are the ones the optimizer holds
-        return out
+            # read from ``_modules`` directly: ``self.fxrec_fused`` goes through two
+            # ``__getattr__``s, about 1 us a read on every call
+            fused = self._modules["fxrec_fused"]
+            if self._params_swapped() or _transformed():
+                # torch.func (functional_call, vmap, grad): the tensors given, run eagerly; no
+                # graph is built or checked for them (a check cannot run under vmap).
+                fused.sync_requires_grad()
+                return _EagerRunner(self.model, fused)(*args, **kwargs)
+            runner, args, kwargs = self._runner(args, kwargs)
+            fused.sync_requires_grad()
+            try:
+                out = runner(*args, **kwargs)
+            except Exception as exc:
+                # dynamo reports bad inputs as its own errors: the model's own is clearer. Not
+                # once the graphs communicate: running the model again would run its collectives
+                # on this rank alone, which its peers never join.
+                if isinstance(runner, _DynamoRunner) and not runner.communicates:
+                    _raise_if_model_fails(self.model, args, kwargs, cause=exc)
+                raise
+            if not fused.frozen:
+                fused.freeze()  # the first call's layouts are the ones the optimizer holds
+            return out
+        finally:
+            own.depth -= 1
 
     def _runner(self, args: tuple, kwargs: dict) -> tuple[Any, tuple, dict]:
         """What runs these arguments (built on first sight), and the arguments as bound."""
@@ -642,6 +685,52 @@ class OptimizedModule(nn.Module):
                 raise
             return getattr(model, name)
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        """Public names set the model's attribute (``opt.head = nn.Linear(64, 3)``), as
+        they read it: set on this module, a new head would be trained by the optimizer but
+        never called. Graphs follow: a module or parameter set is followed as one set on the
+        model is; any other value (``opt.scale = 2.0``) rebuilds them, since they baked the
+        old one in. This module's own state (``training``, ``model``, ``fxrec_*``, names
+        starting with ``_``, its class's attributes) stays here."""
+        if not self._forwards(name):
+            super().__setattr__(name, value)
+            return
+        model = self._modules["model"]
+        old = getattr(model, name, _MISSING)
+        setattr(model, name, value)
+        if not isinstance(value, (nn.Module, nn.Parameter)) and not _same_value(old, value):
+            self._model_changed(f"{name} set")
+
+    def __delattr__(self, name: str) -> None:
+        """``del opt.head`` deletes the model's attribute (see ``__setattr__``)."""
+        if not self._forwards(name):
+            super().__delattr__(name)
+            return
+        delattr(self._modules["model"], name)  # PyTorch registers no deletion: look now
+        self._model_changed(f"{name} deleted")
+
+    def _forwards(self, name: str) -> bool:
+        """Is ``name`` set on the model rather than on this module?"""
+        if name.startswith("_") or name in _OWN_NAMES or hasattr(type(self), name):
+            return False
+        own = self.__dict__
+        if "model" not in own.get("_modules", ()):  # under construction
+            return False
+        return not any(name in own[t] for t in ("_parameters", "_buffers", "_modules")) and (
+            name not in own
+        )
+
+    def _model_changed(self, what: str) -> None:
+        """A change through this module to the model that no registration reports: graphs
+        are rebuilt, and the next call looks for replaced parameters and submodules."""
+        logger.info(
+            "fxrec: model attribute %s through the optimized module; rebuilding graphs", what
+        )
+        with capture_lock:  # not while another thread builds a graph of the old model
+            self._forget_graphs()
+            self._registrations_seen = -1
+            self._slots_stamp = None
+
     # -- state: the user's model owns it -------------------------------------------------------
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]
         self.fxrec_fused.sync_data()  # flat data replaced since the last call: members follow
@@ -735,6 +824,10 @@ class OptimizedModule(nn.Module):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         _watched.update(self._submodules)  # a loaded model's modules are new objects
+        # Loaded in a fresh process, nothing has installed the registration hooks yet: a
+        # submodule or parameter replaced after loading would go unseen. The first call looks.
+        _count_registrations()
+        self._registrations_seen = -1
 
     def __deepcopy__(self, memo: dict[int, Any]) -> OptimizedModule:
         """An independent copy: the model deep-copied, its parameters laid out as here.
@@ -1359,11 +1452,12 @@ def optimize(
         logger.warning("fxrec: %s", note)
         opt.fxrec_report.note(note)
     if example_inputs is not None:
-        runner = opt._build(opt._key(example_inputs, {}), example_inputs, {}, example=True)
-        opt.fxrec_fused.freeze()  # the optimizer is built on these layouts
-        opt.fxrec_report.kernels_before, opt.fxrec_report.kernels_after = _kernels(
-            model, opt, runner, example_inputs
-        )
+        with _own_call():  # runs of the model that register (see _OwnCalls) are no edits
+            runner = opt._build(opt._key(example_inputs, {}), example_inputs, {}, example=True)
+            opt.fxrec_fused.freeze()  # the optimizer is built on these layouts
+            opt.fxrec_report.kernels_before, opt.fxrec_report.kernels_after = _kernels(
+                model, opt, runner, example_inputs
+            )
     return opt
 
 

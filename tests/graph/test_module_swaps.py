@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -261,3 +262,147 @@ def test_containers_made_in_forward_are_not_followed() -> None:
     torch.compile(sliced, backend="eager")(x)
     assert module._registered[0] == seen
     torch.testing.assert_close(opt(x), sliced(x))
+
+
+class _Reassigning(Towers):
+    """Assigns a fresh module to itself on every call (a module cached or rebuilt in
+    forward): the model's own behaviour, not an edit to follow."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.out = nn.Identity()
+        return self.out(super().forward(x))
+
+
+@pytest.mark.parametrize("untraceable", [False, True], ids=["symbolic", "dynamo"])
+def test_modules_a_forward_assigns_do_not_rebuild(
+    untraceable: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Registrations made while an optimized module runs (its calls, the traces and checks
+    of a build, ``optimize``'s own) are not counted: no call rebuilds. A swap the user makes
+    afterwards still is."""
+    torch.manual_seed(0)
+    model = _Reassigning(untraceable=untraceable)
+    ref = copy.deepcopy(model)
+    opt = _optimized(model)
+    builds = []
+    build = fxrec.OptimizedModule._build_locked
+    monkeypatch.setattr(
+        fxrec.OptimizedModule,
+        "_build_locked",
+        lambda self, *args: builds.append(args[0]) or build(self, *args),
+    )
+    _same_training(ref, opt)
+    assert builds == []
+    for m in (model, ref):
+        m.towers[0][2] = nn.GELU()
+    _same_training(ref, opt)
+    for _ in range(2):
+        with torch.no_grad():
+            torch.testing.assert_close(opt(torch.ones(8, D)), ref(torch.ones(8, D)))
+    assert len(builds) == 2  # after the swap: once with autograd, once without
+
+
+def test_other_threads_registrations_count_during_a_call() -> None:
+    """Only the calling thread's registrations are the model's own: a swap made by another
+    thread while one runs a call is counted."""
+    import threading
+
+    import fxrec.graph.module as module
+
+    torch.manual_seed(0)
+    model = Towers()
+    _optimized(model)
+    seen = module._registered[0]
+    with module._own_call():
+        swap = threading.Thread(target=model.towers[0].__setitem__, args=(2, nn.GELU()))
+        swap.start()
+        swap.join()
+        model.towers[1][2] = nn.GELU()  # this thread's, inside the call: the model's own
+    assert module._registered[0] == seen + 1
+
+
+_LOADED = """
+import sys, torch
+from torch import nn
+from tests.graph.test_module_swaps import D, _same_training
+saved = torch.load(sys.argv[1], weights_only=False)
+opt, ref = saved["opt"], saved["ref"]
+opt(torch.randn(8, D))  # graphs built before the changes
+for m in (opt.model, ref):
+    m.towers[0][2] = nn.Sigmoid()
+_same_training(ref, opt)
+weight = torch.randn_like(ref.head.weight)
+for m in (opt.model, ref):
+    m.head.weight = nn.Parameter(weight.clone())
+_same_training(ref, opt)
+"""
+
+
+def test_loaded_in_a_fresh_process_follows_swaps(tmp_path: Path) -> None:
+    """``torch.load`` of a whole optimized module in a process that never called
+    ``optimize``: an activation swapped and a (not laid-out) parameter replaced after loading
+    are followed, as in the process that optimized it."""
+    import subprocess
+    import sys
+
+    torch.manual_seed(0)
+    model = Towers()
+    ref = copy.deepcopy(model)
+    opt = _optimized(model)
+    torch.save({"opt": opt, "ref": ref}, tmp_path / "opt.pt")
+    root = Path(__file__).resolve().parents[2]
+    run = subprocess.run(
+        [sys.executable, "-c", _LOADED, str(tmp_path / "opt.pt")],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+
+
+@pytest.mark.parametrize("untraceable", [False, True], ids=["symbolic", "dynamo"])
+def test_module_set_on_the_optimized_module_is_the_models(untraceable: bool) -> None:
+    """``opt.head`` reads the model's head, so ``opt.head = new`` replaces it (fine-tuning a
+    new head): forward calls it, and the optimizer trains it as the plain model's."""
+    torch.manual_seed(0)
+    model = Towers(untraceable=untraceable)
+    ref = copy.deepcopy(model)
+    opt = _optimized(model)
+    head = nn.Linear(8 * 4, 3)
+    ref.head = copy.deepcopy(head)
+    opt.head = head
+    assert model.head is head and opt.head is head and "head" not in opt._modules
+    _same_training(ref, opt)
+    assert opt(torch.randn(8, D)).shape == (8, 3)
+
+
+class _Scaled(Towers):
+    """Reads a plain attribute (a default when it is absent), which graphs bake in."""
+
+    def __init__(self, untraceable: bool) -> None:
+        super().__init__(untraceable=untraceable)
+        self.scale = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * getattr(self, "scale", 3.0)
+
+
+@pytest.mark.parametrize("untraceable", [False, True], ids=["symbolic", "dynamo"])
+def test_value_set_on_the_optimized_module_rebuilds(untraceable: bool) -> None:
+    """A plain value set (or deleted) through the optimized module is the model's, and its
+    graphs, which baked in the old value, are rebuilt; its own state stays its own."""
+    torch.manual_seed(0)
+    model = _Scaled(untraceable)
+    ref = copy.deepcopy(model)
+    opt = _optimized(model)
+    opt.scale = ref.scale = 2.0
+    assert model.scale == 2.0 and "scale" not in opt.__dict__
+    _same_training(ref, opt)
+    del opt.scale, ref.scale
+    assert not hasattr(model, "scale")
+    _same_training(ref, opt)
+    opt.eval()
+    assert opt.__dict__["training"] is False and model.training is False
+    opt.fxrec_report = report = copy.copy(opt.fxrec_report)
+    assert opt.__dict__["fxrec_report"] is report
