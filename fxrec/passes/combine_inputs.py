@@ -17,7 +17,8 @@ What the rewritten graph starts with:
   TorchRec's (for models holding TorchRec's modules), and so is a TensorDict
   argument that feeds fxrec's own collections (which take KJTs); other TensorDict uses get a
   TensorDict of views over that slice. A TensorDict's dense (non-jagged) entries are not
-  features: they travel as dense arguments and are put back into the rebuilt TensorDict.
+  features: they travel as dense arguments and are put back into the rebuilt TensorDict,
+  which has the example's batch dims and device-or-none (``td.shape``, ``td.numel()``).
 
 Order of use: ``new, packer = combine_inputs(model, args)``, then ``fxrec.optimize(new,
 packer(*args))`` (the rebuilt arguments are tracing leaves, so the graph rules see the same
@@ -74,6 +75,7 @@ class _Slot:
     start: int = 0  # index of the first of them among the combined features
     dense_keys: tuple[str, ...] = ()  # a TensorDict's dense entries, carried as dense arguments
     order: tuple[str, ...] = ()  # a TensorDict's entries, in its own order
+    td_form: tuple[int, bool] = (1, True)  # a TensorDict's batch dims, and whether it has a device
 
 
 # -- host side -----------------------------------------------------------------------------
@@ -260,7 +262,8 @@ class InputPacker:
             elif s.kind == _TD:
                 kjt = _kjt_slice(cf, s.start, len(s.keys), mine)
                 mine_dense = [next(entries) for _ in s.dense_keys]
-                out[s.positions[0]] = _rebuild_td(kjt, s.dense_keys, s.order, mine_dense)
+                td = _rebuild_td(kjt, s.dense_keys, s.order, mine_dense)
+                out[s.positions[0]] = _as_example(td, s.td_form)
             elif s.kind == _JT_DICT:
                 out[s.positions[0]] = {k: jts[s.start + j] for j, k in enumerate(s.keys)}
             elif s.kind == _JT:
@@ -339,6 +342,18 @@ def _rebuild_td(
     return TensorDict({k: entries[k] for k in order}, batch_size=batch, device=td.device)
 
 
+def _as_example(td: Any, form: tuple[int, bool]) -> Any:
+    """``td`` with the example TensorDict's batch dims and device-or-none: model code may read
+    ``td.shape``, ``td.numel()`` or ``td.device`` (a TensorDict built without ``batch_size``
+    has none, while a rebuilt one has the features' batch)."""
+    batch_dims, has_device = form
+    if td.batch_dims > batch_dims:
+        td.batch_size = td.batch_size[:batch_dims]
+    if not has_device and td.device is not None:
+        td.clear_device_()
+    return td
+
+
 # -- device side: leaf modules that rebuild the original argument types -----------------------
 
 
@@ -359,6 +374,7 @@ class _Rebuild(nn.Module):
         weighted: Sequence[bool],
         dense_keys: Sequence[str] = (),
         order: Sequence[str] = (),
+        td_form: tuple[int, bool] = (1, True),
     ) -> None:
         super().__init__()
         self.kind = kind
@@ -367,6 +383,7 @@ class _Rebuild(nn.Module):
         self.weighted = tuple(weighted)
         self.dense_keys = tuple(dense_keys)  # a TensorDict's dense entries: parts after cf
         self.order = tuple(order)
+        self.td_form = td_form  # the example TensorDict's batch dims and device-or-none
 
     def forward(self, *parts: Any) -> Any:
         if self.kind in _KEYED:
@@ -376,7 +393,7 @@ class _Rebuild(nn.Module):
                 return to_torchrec(kjt)
             if self.kind == _KJT:
                 return kjt
-            return _rebuild_td(kjt, self.dense_keys, self.order, dense)
+            return _as_example(_rebuild_td(kjt, self.dense_keys, self.order, dense), self.td_form)
         # JaggedTensor kinds: ``start`` indexes the permute_and_split pieces.
         vals, lens, wts = parts
         n = len(self.keys)
@@ -442,7 +459,10 @@ def _classify(
                 slots.append(_Slot(_DENSE, (i,)))
                 continue
             kjt = kjt_from_tensordict(value, [k for k in order if k not in dense])
-            slots.append(_Slot(_TD, (i,), tuple(kjt.keys()), dense_keys=dense, order=order))
+            form = (value.batch_dims, value.device is not None)
+            slots.append(
+                _Slot(_TD, (i,), tuple(kjt.keys()), dense_keys=dense, order=order, td_form=form)
+            )
             weighted += [kjt.weights_or_none() is not None] * len(kjt.keys())
         elif isinstance(value, JaggedTensor):
             slots.append(_Slot(_JT, (i,), (str(placeholders[i].target),)))
@@ -606,7 +626,7 @@ def combine_inputs(
             kind = _KJT  # fxrec's collections take KJTs too: skip building a TensorDict
         mine = weighted[s.start : s.start + len(s.keys)]
         if kind in _KEYED:
-            rebuild = _Rebuild(kind, s.keys, s.start, mine, s.dense_keys, s.order)
+            rebuild = _Rebuild(kind, s.keys, s.start, mine, s.dense_keys, s.order, s.td_form)
             setattr(wrapper, name, rebuild)
             args: tuple[Any, ...] = (cf, *entry_nodes.get(s.positions[0], []))
         else:

@@ -2,8 +2,11 @@
 ``torch.export`` and fxrec's kernel counter.
 
 The spec (context) holds only static metadata (keys, a variable batch's per-key strides,
-KeyedTensor widths), never per-batch figures, so a new batch reuses a compiled graph. Offsets
-are not leaves: they are derived from lengths, and keeping them out keeps the spec stable.
+KeyedTensor widths, whether jagged values are weighted), never per-batch figures, so a new
+batch reuses a compiled graph. Offsets are not leaves: they are derived from lengths, and
+keeping them out keeps the spec stable. Weights are a leaf even when absent (``None``), so the
+context says which: an exported program called with the other kind raises a clear error
+instead of failing on (or silently dropping) the weights.
 
 ``torch.export.save``/``load`` write each context as JSON; the dumpable-context functions here
 bring back the exact tuples, because a loaded program matches inputs against its spec by
@@ -29,24 +32,34 @@ __all__ = ["register_pytrees"]
 _registered = False
 
 
-def _jt_flatten(jt: JaggedTensor) -> tuple[list[Any], None]:
-    return [jt.values(), jt.weights_or_none(), jt.lengths()], None
+_WEIGHTED, _UNWEIGHTED = "weighted", "unweighted"
 
 
-def _jt_flatten_with_keys(jt: JaggedTensor) -> tuple[list[tuple[Any, Any]], None]:
+def _weighted(weights: torch.Tensor | None) -> str:
+    return _UNWEIGHTED if weights is None else _WEIGHTED
+
+
+def _jt_flatten(jt: JaggedTensor) -> tuple[list[Any], str]:
+    return [jt.values(), jt.weights_or_none(), jt.lengths()], _weighted(jt.weights_or_none())
+
+
+def _jt_flatten_with_keys(jt: JaggedTensor) -> tuple[list[tuple[Any, Any]], str]:
     leaves, ctx = _jt_flatten(jt)
     names = ("values", "weights", "lengths")
     return [(pytree.GetAttrKey(n), v) for n, v in zip(names, leaves)], ctx
 
 
-def _jt_unflatten(leaves: Any, ctx: None) -> JaggedTensor:
+def _jt_unflatten(leaves: Any, ctx: str) -> JaggedTensor:
     values, weights, lengths = leaves
     return JaggedTensor._make(values, weights, lengths, None)
 
 
-def _kjt_ctx(kjt: KeyedJaggedTensor) -> tuple[tuple[str, ...], tuple[int, ...] | None]:
+_KJTContext = tuple[tuple[str, ...], tuple[int, ...] | None, str]
+
+
+def _kjt_ctx(kjt: KeyedJaggedTensor) -> _KJTContext:
     spk = kjt._stride_per_key
-    return tuple(kjt.keys()), None if spk is None else tuple(spk)
+    return tuple(kjt.keys()), None if spk is None else tuple(spk), _weighted(kjt.weights_or_none())
 
 
 def _kjt_flatten(kjt: KeyedJaggedTensor) -> tuple[list[Any], Any]:
@@ -61,7 +74,7 @@ def _kjt_flatten_with_keys(kjt: KeyedJaggedTensor) -> tuple[list[tuple[Any, Any]
 
 def _kjt_unflatten(leaves: Any, ctx: Any) -> KeyedJaggedTensor:
     values, weights, lengths = leaves
-    keys, spk = ctx
+    keys, spk, _ = ctx
     return KeyedJaggedTensor._make(
         list(keys), values, weights, lengths, stride_per_key=None if spk is None else list(spk)
     )
@@ -89,27 +102,34 @@ def _kt_unflatten(leaves: Any, ctx: Any) -> KeyedTensor:
     return kt
 
 
-def _jt_dump(ctx: None) -> str:
+def _jt_dump(ctx: str) -> str:
     return json.dumps(ctx)
 
 
-def _jt_load(dumped: str) -> None:
-    if json.loads(dumped) is not None:
+def _weights_of(saved: Any, dumped: str) -> str:
+    if saved not in (_WEIGHTED, _UNWEIGHTED):
         raise ValueError(
-            f"A JaggedTensor's pytree context is null but the file holds {dumped!r}; "
-            f"export the program again with this fxrec."
+            f"this file's pytree context {dumped!r} does not say whether the jagged values are "
+            f"weighted (an older fxrec wrote it); export the program again with this fxrec."
         )
+    return saved
 
 
-def _kjt_dump(ctx: tuple[tuple[str, ...], tuple[int, ...] | None]) -> str:
-    keys, spk = ctx
-    return json.dumps({"keys": list(keys), "stride_per_key": None if spk is None else list(spk)})
+def _jt_load(dumped: str) -> str:
+    return _weights_of(json.loads(dumped), dumped)
 
 
-def _kjt_load(dumped: str) -> tuple[tuple[str, ...], tuple[int, ...] | None]:
+def _kjt_dump(ctx: _KJTContext) -> str:
+    keys, spk, weights = ctx
+    spk_list = None if spk is None else list(spk)
+    return json.dumps({"keys": list(keys), "stride_per_key": spk_list, "weights": weights})
+
+
+def _kjt_load(dumped: str) -> _KJTContext:
     d = json.loads(dumped)
     spk = d["stride_per_key"]
-    return tuple(d["keys"]), None if spk is None else tuple(int(s) for s in spk)
+    weights = _weights_of(d.get("weights"), dumped)
+    return tuple(d["keys"]), None if spk is None else tuple(int(s) for s in spk), weights
 
 
 def _kt_dump(ctx: tuple[tuple[str, ...], tuple[int, ...], int]) -> str:
@@ -122,11 +142,38 @@ def _kt_load(dumped: str) -> tuple[tuple[str, ...], tuple[int, ...], int]:
     return tuple(d["keys"]), tuple(int(n) for n in d["length_per_key"]), int(d["key_dim"])
 
 
-def _spec_leaves(flatten: Any) -> Any:
+def _spec_leaves(cls: type, flatten: Any) -> Any:
+    """Leaves of ``obj`` for a graph built for ``spec``: an input of another structure (keys,
+    per-key strides, widths, weighted or not) raises, saying what the graph was built for."""
+
     def fn(obj: Any, spec: pytree.TreeSpec) -> list[Any]:
-        return flatten(obj)[0]
+        if not isinstance(obj, cls):
+            raise ValueError(
+                f"this program was exported for a {cls.__name__} here, got "
+                f"{type(obj).__name__}: pass inputs of the example's types."
+            )
+        leaves, ctx = flatten(obj)
+        if ctx != spec.context:
+            raise ValueError(
+                f"this program was exported for a {cls.__name__} with {_describe(spec.context)}, "
+                f"got one with {_describe(ctx)}: pass inputs like the example, or export again "
+                f"with an example like these inputs."
+            )
+        return leaves
 
     return fn
+
+
+def _describe(ctx: Any) -> str:
+    """A spec context in words (``(keys, stride_per_key, weighted)`` for a KJT)."""
+    if isinstance(ctx, str):  # JaggedTensor
+        return f"{ctx} values"
+    if len(ctx) == 3 and isinstance(ctx[2], str):  # KeyedJaggedTensor
+        keys, spk, weights = ctx
+        per_key = "" if spk is None else f", stride per key {list(spk)}"
+        return f"keys {list(keys)}{per_key}, {weights} values"
+    keys, lpk, key_dim = ctx  # KeyedTensor
+    return f"keys {list(keys)}, lengths per key {list(lpk)}, key dim {key_dim}"
 
 
 def register_pytrees() -> None:
@@ -159,6 +206,6 @@ def register_pytrees() -> None:
             to_dumpable_context=dump,
             from_dumpable_context=load,
         )
-        fx_pytree.register_pytree_flatten_spec(cls, _spec_leaves(flat))
+        fx_pytree.register_pytree_flatten_spec(cls, _spec_leaves(cls, flat))
     torch.serialization.add_safe_globals([JaggedTensor, KeyedJaggedTensor, KeyedTensor])
     _registered = True

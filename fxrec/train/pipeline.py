@@ -14,6 +14,10 @@ forward/backward/step is raised in the caller as :class:`PipelineError` with the
 index (0-based, counting every batch drawn). That batch is skipped; calling
 :meth:`~TrainPipelineBase.progress` again continues with the next batch, and
 :meth:`~TrainPipelineBase.close` (or leaving a ``with`` block) stops the background thread.
+A loop that stops a pass early and goes on with a new iterator calls
+:meth:`~TrainPipelineBase.end_pass` first (the batches read ahead are dropped); the background
+thread calls ``next()`` only during ``progress()``, so a DataLoader with persistent workers
+may reset its iterator between calls, and the pipeline starts over when it sees the reset.
 With a sharded collection, :class:`TrainPipelineSparseDist` keeps the ranks in step when
 only one rank loses a batch (its loader fails or its data ends): the other ranks learn it
 in the id-count exchange, or in a roll call, and raise :class:`PipelineError` for that batch
@@ -133,18 +137,23 @@ class TrainPipelineBase:
 
     # -- pieces shared by both pipelines -----------------------------------------------------
     def _prepare(self, item: Any, non_blocking: bool = False) -> Any:
+        moved, copies = self._prepare_counted(item, non_blocking)
+        self.stats.copies += copies
+        return moved
+
+    def _prepare_counted(self, item: Any, non_blocking: bool) -> tuple[Any, int]:
+        """The prepared batch, and its host-to-device copies."""
         t0 = time.perf_counter()
         if self.host_fn is not None:
             item = self.host_fn(item)
         if non_blocking and hasattr(item, "pin_memory"):
             item = item.pin_memory()  # page-locked memory: the stream's copy is asynchronous
-        if isinstance(item, Batch):
-            self.stats.copies += item.transfer_count()
+        copies = item.transfer_count() if isinstance(item, Batch) else 0
         moved = item.to(self.device, non_blocking=non_blocking) if hasattr(item, "to") else item
         if isinstance(moved, Batch):
             self.stats.prepared += self._td_prep.apply(moved)
         self.stats.host_s += time.perf_counter() - t0
-        return moved
+        return moved, copies
 
     def _forward(self, batch: Any) -> torch.Tensor:
         if isinstance(batch, Batch):
@@ -219,6 +228,11 @@ class TrainPipelineBase:
                 break
         return losses
 
+    def end_pass(self) -> None:
+        """End the current pass over the data early (a loop that stops before
+        ``StopIteration``): nothing to do here, as this pipeline reads no batch ahead."""
+        self._check_open()
+
     def close(self) -> None:
         self._closed = True
 
@@ -232,9 +246,54 @@ class TrainPipelineBase:
 _END = object()
 
 
+class _Gate:
+    """Lets the reader call ``next()`` on its source only while a ``progress()`` call runs.
+
+    Between calls the iterator is the caller's: a DataLoader with persistent workers resets,
+    in ``iter()``, the very iterator object the reader reads, and a reset racing a ``next()``
+    corrupts its bookkeeping. ``progress()`` opens the gate, and closes it before returning,
+    waiting for a ``next()`` in flight.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._open = False
+        self._busy = False
+        self.yielded: int | None = None  # a DataLoader iterator's count after the last next()
+
+    def enter(self, stopped: Callable[[], bool], poll_s: float) -> bool:
+        """Wait until ``next()`` may be called; False: the reader stops instead."""
+        with self._cond:
+            while not self._open:
+                if stopped():
+                    return False
+                self._cond.wait(poll_s)
+            self._busy = True
+            return True
+
+    def leave(self, source: Iterator[Any]) -> None:
+        with self._cond:
+            self._busy = False
+            self.yielded = getattr(source, "_num_yielded", None)
+            self._cond.notify_all()
+
+    def open(self) -> None:
+        with self._cond:
+            self._open = True
+            self._cond.notify_all()
+
+    def close(self, stopped: Callable[[], bool], poll_s: float) -> None:
+        """Forbid further ``next()`` calls and wait for the one in flight, if any."""
+        with self._cond:
+            self._open = False
+            while self._busy and not stopped():
+                self._cond.wait(poll_s)
+
+
 def _read(
     pipeline: weakref.ref,
-    stop: threading.Event,
+    stopped: Callable[[], bool],
+    gate: _Gate,
     q: queue.Queue,
     source: Iterator[Any],
     index: int,
@@ -242,41 +301,52 @@ def _read(
     threads: int | None,
 ) -> None:
     """The reader thread of :class:`TrainPipelineSparseDist`: read, prepare and copy batches
-    from ``source`` (the first one is batch ``index``) into ``q``.
+    from ``source`` (the first one is batch ``index``) into ``q``, calling ``next()`` only
+    while ``gate`` is open.
 
     It holds the pipeline weakly, and only while preparing a batch: a pipeline dropped
-    without ``close()`` is collected, which sets ``stop``.
+    without ``close()`` is collected, which stops it.
     """
     before = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)  # this thread, and threads started meanwhile
     try:
-        while not stop.is_set():
-            try:
-                item = next(source)
-            except StopIteration:
-                _put(stop, q, _END, poll_s)
+        while gate.enter(stopped, poll_s):
+            item, exc = _next(gate, source)
+            if isinstance(exc, StopIteration):
+                _put(stopped, q, _END, poll_s)
                 return
-            except Exception as exc:
-                entry: Any = (index, None, exc, "reading it from the data loader")
-            except BaseException as exc:  # KeyboardInterrupt, SystemExit: raised as they are
-                _put(stop, q, (index, None, exc, "reading it from the data loader"), poll_s)
-                return  # progress() raises it, and starts reading again after it
-            else:
+            entry: Any = (index, None, exc, "reading it from the data loader")
+            if exc is not None and not isinstance(exc, Exception):
+                # KeyboardInterrupt, SystemExit: raised as they are; progress() raises it,
+                # and starts reading again after it
+                _put(stopped, q, entry, poll_s)
+                return
+            if exc is None:
                 owner = pipeline()
                 if owner is None:
                     return
                 entry = owner._entry(item, index)
                 del owner
-            _put(stop, q, entry, poll_s)
+            _put(stopped, q, entry, poll_s)
             index += 1
     finally:
         if threads is not None:  # threads started later take the process's count again
             torch.set_num_threads(before)
 
 
-def _put(stop: threading.Event, q: queue.Queue, entry: Any, poll_s: float) -> None:
-    while not stop.is_set():
+def _next(gate: _Gate, source: Iterator[Any]) -> tuple[Any, BaseException | None]:
+    """``next(source)`` or what it raised; the gate is left as soon as it returns."""
+    try:
+        return next(source), None
+    except BaseException as exc:
+        return None, exc
+    finally:
+        gate.leave(source)
+
+
+def _put(stopped: Callable[[], bool], q: queue.Queue, entry: Any, poll_s: float) -> None:
+    while not stopped():
         try:
             q.put(entry, timeout=poll_s)
             return
@@ -326,7 +396,10 @@ class TrainPipelineSparseDist(TrainPipelineBase):
         self.poll_s = poll_s
         self.host_threads = host_threads
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=prefetch)
-        self._stop = threading.Event()
+        self._stop = threading.Event()  # closed: every reader stops
+        self._halt = threading.Event()  # the current reader stops (each reader has its own)
+        self._gate = _Gate()
+        self._copies: dict[int, int] = {}  # batches read ahead: their host-to-device copies
         self._thread: threading.Thread | None = None
         self._source: Iterator[Any] | None = None
         self._exhausted = False  # the source ended: progress() accepts a new iterator
@@ -347,11 +420,15 @@ class TrainPipelineSparseDist(TrainPipelineBase):
         try:
             if self._stream is not None:
                 with torch.cuda.stream(self._stream):
-                    batch = self._prepare(item, non_blocking=True)
+                    batch, copies = self._prepare_counted(item, non_blocking=True)
                     event = torch.cuda.Event()
                     event.record(self._stream)
-                return index, (batch, event), None, ""
-            return index, self._prepare(item), None, ""
+                payload: Any = (batch, event)
+            else:
+                payload, copies = self._prepare_counted(item, non_blocking=False)
+            # counted when the batch is trained: batches read ahead and dropped are not
+            self._copies[index] = copies
+            return index, payload, None, ""
         except Exception as exc:
             return index, None, exc, "preparing and copying it"
 
@@ -359,9 +436,15 @@ class TrainPipelineSparseDist(TrainPipelineBase):
         threads = self.host_threads
         if threads is None and self.device.type == "cpu":
             threads = 1
+        # Its own stop flag, gate and queue: a reader still stuck in next() after it was told
+        # to stop can never feed a later pass.
+        closed, halt = self._stop, threading.Event()
+        self._halt, self._gate = halt, _Gate()
+        self._queue = queue.Queue(maxsize=self.prefetch)
+        args = (weakref.ref(self), lambda: closed.is_set() or halt.is_set(), self._gate)
         self._thread = threading.Thread(
             target=_read,
-            args=(weakref.ref(self), self._stop, self._queue, source, index, self.poll_s, threads),
+            args=(*args, self._queue, source, index, self.poll_s, threads),
             name="fxrec-pipeline-copy",
             daemon=True,
         )
@@ -385,7 +468,7 @@ class TrainPipelineSparseDist(TrainPipelineBase):
         """Stop the last iterator's reader (ended, or stopped early) and drop what it read."""
         if self._thread is None:
             return
-        self._stop.set()
+        self._halt.set()
         self._thread.join(timeout=max(1.0, 20 * self.poll_s))
         if self._thread.is_alive():
             logger.warning(
@@ -393,9 +476,9 @@ class TrainPipelineSparseDist(TrainPipelineBase):
                 "thread is a daemon and will not keep the process alive"
             )
         self._thread = None
-        self._stop.clear()
         while not self._queue.empty():
             self._queue.get_nowait()
+        self._copies.clear()
         self._next = None
         self._input_dist.discard()  # exchanges of batches read ahead that will not run
 
@@ -411,6 +494,7 @@ class TrainPipelineSparseDist(TrainPipelineBase):
         if entry is _END:
             return None
         index, payload, exc, stage = entry
+        self.stats.copies += self._copies.pop(index, 0)
         if exc is None and self._stream is not None:
             batch, event = payload
             current = torch.cuda.current_stream(self.device)
@@ -432,13 +516,31 @@ class TrainPipelineSparseDist(TrainPipelineBase):
         self._stop_reader()
         it = iter(batches)
         self._start(it)
-        return self._run(it, max_steps)
+        try:
+            return self._run(it, max_steps)
+        finally:  # the iterator is this call's: the pass ends with it, as the base's does
+            self._stop_reader()
+            self._source = None
 
     run.__doc__ = TrainPipelineBase.run.__doc__
 
+    def end_pass(self) -> None:
+        """End the current pass over the data before its end: the batches read ahead are
+        dropped, and the next :meth:`progress` starts a new pass on the iterator it gets.
+
+        Call it when a loop stops before ``StopIteration`` (steps per epoch, a
+        :class:`PipelineError` it breaks on) and the next pass is a new iterator. A DataLoader
+        with persistent workers needs no call: its ``iter()`` resets the same iterator, and the
+        pipeline starts over when it sees the reset. With sharded collections, every rank calls
+        it at the same step.
+        """
+        self._check_open()
+        self._stop_reader()
+        self._source = None
+
     def progress(self, dataloader_iter: Iterator[Any]) -> torch.Tensor:
         self._check_open()
-        if self._source is None or self._exhausted:
+        if self._source is None or self._exhausted or self._was_reset(dataloader_iter):
             # The first iterator, or the next epoch's: a new one, or the same one reset (a
             # DataLoader with persistent workers returns the same iterator each epoch; one
             # truly exhausted ends the new pass at once).
@@ -446,9 +548,31 @@ class TrainPipelineSparseDist(TrainPipelineBase):
         elif dataloader_iter is not self._source:
             raise ValueError(
                 "TrainPipelineSparseDist reads ahead from its iterator: keep passing the same "
-                "one until it raises StopIteration (then a new one, e.g. the next epoch's)."
+                "one until it raises StopIteration (then a new one, e.g. the next epoch's), or "
+                "call end_pass() first to stop the current pass early."
             )
-        elif self._exhausted or self._peer_ended:
+        self._gate.open()  # the reader calls next() only while this call runs
+        try:
+            return self._progress()
+        finally:
+            self._gate.close(self._stop.is_set, self.poll_s)
+
+    def _was_reset(self, it: Iterator[Any]) -> bool:
+        """A DataLoader iterator that yielded fewer batches than the reader read from it: its
+        loader's ``iter()`` reset it (persistent workers), and the batches read ahead are the
+        last pass's."""
+        from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+        read = self._gate.yielded
+        if it is not self._source or not isinstance(it, _BaseDataLoaderIter) or read is None:
+            return False
+        if it._num_yielded >= read:
+            return False
+        logger.info("fxrec pipeline: the data loader's iterator was reset; a new pass starts")
+        return True
+
+    def _progress(self) -> torch.Tensor:
+        if self._exhausted or self._peer_ended:
             self._exhausted = True
             raise StopIteration  # (without a roll call: the other ranks heard it once)
         current = self._next if self._next is not None else self._take()
@@ -465,7 +589,9 @@ class TrainPipelineSparseDist(TrainPipelineBase):
             if not isinstance(exc, Exception):  # KeyboardInterrupt...: as the base raises it
                 # its reader stopped there; a later progress() reads on, as the base does
                 self._thread.join(timeout=max(1.0, 20 * self.poll_s))  # type: ignore[union-attr]
+                read = self._gate.yielded
                 self._start_reader(self._source, index + 1)  # type: ignore[arg-type]
+                self._gate.yielded = read
                 raise exc
             self._skip(index, exc, stage)
         self._input_dist.probe(batch)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.fx._pytree as fx_pytree
 import torch.utils._pytree as pytree
 from torch import nn
 from torch.export import Dim, ShapesCollection
@@ -276,3 +277,48 @@ def test_pytree_spec_survives_serialization(value: object) -> None:
     """What export writes for an input's spec reads back equal (tuples stay tuples)."""
     spec = pytree.tree_structure(value)
     assert pytree.treespec_loads(pytree.treespec_dumps(spec)) == spec
+
+
+class MaybeWeighted(nn.Module):
+    """Sums the values, weighted when the KJT has weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(1, 1)
+
+    def forward(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
+        w = kjt.weights_or_none()
+        x = kjt.values().float() if w is None else kjt.values().float() * w
+        return self.lin(x.sum().view(1, 1))
+
+
+def _small_kjt(weighted: bool, keys: tuple[str, ...] = ("a", "b")) -> KeyedJaggedTensor:
+    weights = torch.rand(4) if weighted else None
+    return KeyedJaggedTensor(
+        list(keys), torch.arange(4), weights, lengths=torch.tensor([1, 2, 0, 1])
+    )
+
+
+@pytest.mark.parametrize("weighted", [True, False])
+def test_program_called_with_the_other_kind_of_kjt_says_so(weighted: bool, tmp_path: Path):
+    """Weights are part of the input spec: a program exported for weighted KJTs refuses
+    unweighted ones (it failed on a None deep inside), and one exported for unweighted KJTs
+    refuses weighted ones (it dropped their weights silently)."""
+    example = _small_kjt(weighted)
+    shapes = ShapesCollection()
+    for t in pytree.tree_leaves(example):
+        if t is not None:
+            shapes[t] = {0: Dim.DYNAMIC}
+    ep = torch.export.export(MaybeWeighted(), (example,), dynamic_shapes=shapes)
+    for program in (ep, _save_and_load(ep, tmp_path / "w.pt2")):
+        torch.testing.assert_close(program.module()(example), ep.module()(example))
+        want, other = ("'weighted'", "'unweighted'") if weighted else ("'unweighted'", "'weighted'")
+        with pytest.raises(ValueError, match=f"(?s)tree spec.*{want}.*got inputs.*{other}"):
+            program.module()(_small_kjt(not weighted))
+    spec = pytree.tree_structure(example)  # graphs that flatten by spec say it in words
+    with pytest.raises(
+        ValueError, match=r"exported for a KeyedJaggedTensor with keys \['a', 'b'\]"
+    ):
+        fx_pytree.tree_flatten_spec(_small_kjt(not weighted), spec)
+    with pytest.raises(ValueError, match=r"got one with keys \['a', 'c'\]"):
+        fx_pytree.tree_flatten_spec(_small_kjt(weighted, ("a", "c")), spec)

@@ -530,3 +530,61 @@ def test_tensordict_dense_entries_travel_as_dense_arguments():
         torch.testing.assert_close(got[k], want[k], rtol=0, atol=0)
     with pytest.raises(ValueError, match="entry 'age' must be a dense tensor"):
         packer(td.exclude("age"))
+
+
+class ReadsBatchDims(DenseInTensorDict):
+    """Scales by the TensorDict's own numel (1 for a TensorDict built without batch_size)."""
+
+    def forward(self, td):
+        return super().forward(td) / td.numel() * (1 + td.batch_dims)
+
+
+@pytest.mark.parametrize("with_dense", [True, False])
+def test_rebuilt_tensordict_keeps_the_examples_batch_size(with_dense):
+    # A TensorDict built without batch_size has batch_size [] and no device; the one the
+    # graph rebuilds from the features had [B] and the features' device.
+    import copy
+
+    from tensordict import TensorDict
+
+    keys = ["f0", "f1"]
+    g = torch.Generator().manual_seed(5)
+    torch.manual_seed(5)
+
+    def batch(n):  # type: ignore[no-untyped-def]
+        td = _td_with_dense(keys, n, g)
+        td = td if with_dense else td.select(*keys)
+        return TensorDict(dict(td.items()))
+
+    model = ReadsBatchDims(keys) if with_dense else DenseOnlyFeatures(keys)
+    plain = copy.deepcopy(model)
+    td = batch(4)
+    assert td.batch_size == torch.Size([]) and td.device is None
+    new, packer = combine_inputs(model, (td,))
+    (back,) = packer.unpack(*packer(td))
+    assert back.batch_size == td.batch_size and back.device is None
+    check_same(plain, new, (td,), packer(td))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (plain, new)]
+    for n in (3, 5):
+        td = batch(n)
+        for m, opt, args in ((plain, opts[0], (td,)), (new, opts[1], packer(td))):
+            opt.zero_grad()
+            m(*args).sum().backward()
+            opt.step()
+    want, got = dict(plain.named_parameters()), dict(new.named_parameters())
+    assert want.keys() == got.keys()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=0)
+
+
+class DenseOnlyFeatures(nn.Module):
+    """Features only; reads the TensorDict's numel (its rebuild takes no dense entries)."""
+
+    def __init__(self, keys: list[str]) -> None:
+        super().__init__()
+        self.keys = keys
+        self.bag = nn.EmbeddingBag(NUM_EMB, 3, mode="sum", include_last_offset=True)
+
+    def forward(self, td):
+        kjt = _kjt_of(td)
+        return self.bag(kjt["f0"].values(), kjt["f0"].offsets()) / td.numel()

@@ -400,3 +400,61 @@ def test_run_starts_a_persistent_workers_loader_over(pipeline_cls):
         losses = pipe.run(loader, max_steps=2) + pipe.run(loader, max_steps=2)
         losses += pipe.run(loader)
     assert_same(losses, params(model), ref_losses, ref_params)
+
+
+def _epochs(pipe, loader, steps):  # type: ignore[no-untyped-def]
+    """An epoch loop that stops each epoch after ``steps[e]`` batches (or at its end)."""
+    losses = []
+    for n in steps:
+        it = iter(loader)
+        for _ in range(n):
+            try:
+                losses.append(float(pipe.progress(it)))
+            except StopIteration:
+                break
+    return losses
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("pipeline_cls", PIPELINES)
+def test_persistent_workers_epoch_stopped_early_starts_over(pipeline_cls):
+    """The next epoch's ``iter()`` resets the iterator the pass stopped on: the batches read
+    ahead of it are the old pass's (they used to be trained as the new epoch, or the reset
+    raced the reader's next() and raised KeyError)."""
+    batches = make_batches(KEYS, 4, seed=13)
+    ref_losses, ref_params = reference(batches[:2] + batches)
+    model, opt = fresh(KEYS)
+    with pipeline_cls(model, opt, "cpu") as pipe:
+        losses = _epochs(pipe, _persistent_loader(batches), steps=(2, 100))
+    assert_same(losses, params(model), ref_losses, ref_params)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("pipeline_cls", PIPELINES)
+def test_end_pass_lets_a_loop_stopped_early_take_a_new_iterator(pipeline_cls):
+    batches = make_batches(KEYS, 4, seed=14)
+    ref_losses, ref_params = reference(batches[:2] + batches)
+    model, opt = fresh(KEYS)
+    with pipeline_cls(model, opt, "cpu") as pipe:
+        it = iter(batches)
+        losses = [float(pipe.progress(it)), float(pipe.progress(it))]
+        pipe.end_pass()
+        losses += drive(pipe, iter(batches))[0]
+    assert_same(losses, params(model), ref_losses, ref_params)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("pipeline_cls", PIPELINES)
+@pytest.mark.parametrize("persistent", [False, True])
+def test_run_with_max_steps_then_progress_starts_a_new_pass(pipeline_cls, persistent):
+    """``run`` over an iterable ends its pass when it returns: the iterator it drew is its
+    own (its batches read ahead used to be trained as the next pass, or progress() refused
+    the next iterator)."""
+    batches = make_batches(KEYS, 4, seed=15)
+    loader = _persistent_loader(batches) if persistent else batches
+    ref_losses, ref_params = reference(batches[:2] + batches)
+    model, opt = fresh(KEYS)
+    with pipeline_cls(model, opt, "cpu") as pipe:
+        losses = pipe.run(loader, max_steps=2)
+        losses += drive(pipe, iter(loader))[0]
+    assert_same(losses, params(model), ref_losses, ref_params)
