@@ -203,7 +203,7 @@ class OptimizedModule(nn.Module):
                     "parameters); export it with fxrec.export(opt, args, dynamic_shapes=...), "
                     "which takes the same arguments as torch.export.export."
                 )
-            return self._call(args, kwargs)
+            return self._run(args, kwargs)  # traced: no registration counts (see count())
         if torch.compiler.is_compiling():
             return self._opaque_call(args, kwargs)
         return self._call(args, kwargs)
@@ -220,30 +220,33 @@ class OptimizedModule(nn.Module):
         own = _own_calls  # registrations made while this call runs are no edits
         own.depth += 1
         try:
-            # read from ``_modules`` directly: ``self.fxrec_fused`` goes through two
-            # ``__getattr__``s, about 1 us a read on every call
-            fused = self._modules["fxrec_fused"]
-            if self._params_swapped() or _transformed():
-                # torch.func (functional_call, vmap, grad): the tensors given, run eagerly; no
-                # graph is built or checked for them (a check cannot run under vmap).
-                fused.sync_requires_grad()
-                return _EagerRunner(self.model, fused)(*args, **kwargs)
-            runner, args, kwargs = self._runner(args, kwargs)
-            fused.sync_requires_grad()
-            try:
-                out = runner(*args, **kwargs)
-            except Exception as exc:
-                # dynamo reports bad inputs as its own errors: the model's own is clearer. Not
-                # once the graphs communicate: running the model again would run its collectives
-                # on this rank alone, which its peers never join.
-                if isinstance(runner, _DynamoRunner) and not runner.communicates:
-                    _raise_if_model_fails(self.model, args, kwargs, cause=exc)
-                raise
-            if not fused.frozen:
-                fused.freeze()  # the first call's layouts are the ones the optimizer holds
-            return out
+            return self._run(args, kwargs)
         finally:
             own.depth -= 1
+
+    def _run(self, args: tuple, kwargs: dict) -> Any:
+        # read from ``_modules`` directly: ``self.fxrec_fused`` goes through two
+        # ``__getattr__``s, about 1 us a read on every call
+        fused = self._modules["fxrec_fused"]
+        if self._params_swapped() or _transformed():
+            # torch.func (functional_call, vmap, grad): the tensors given, run eagerly; no
+            # graph is built or checked for them (a check cannot run under vmap).
+            fused.sync_requires_grad()
+            return _EagerRunner(self.model, fused)(*args, **kwargs)
+        runner, args, kwargs = self._runner(args, kwargs)
+        fused.sync_requires_grad()
+        try:
+            out = runner(*args, **kwargs)
+        except Exception as exc:
+            # dynamo reports bad inputs as its own errors: the model's own is clearer. Not
+            # once the graphs communicate: running the model again would run its collectives
+            # on this rank alone, which its peers never join.
+            if isinstance(runner, _DynamoRunner) and not runner.communicates:
+                _raise_if_model_fails(self.model, args, kwargs, cause=exc)
+            raise
+        if not fused.frozen:
+            fused.freeze()  # the first call's layouts are the ones the optimizer holds
+        return out
 
     def _runner(self, args: tuple, kwargs: dict) -> tuple[Any, tuple, dict]:
         """What runs these arguments (built on first sight), and the arguments as bound."""
