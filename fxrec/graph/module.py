@@ -87,7 +87,8 @@ def _count_registrations() -> int:
         def count(module: nn.Module, name: str, value: Any) -> None:
             # Not while dynamo or export traces: a traced registration (that slice) must not
             # change Python state, which a checkpointed region refuses.
-            if not _own_calls.depth and module in _watched and not torch.compiler.is_compiling():
+            # (is_compiling first: dynamo folds it and never reads, nor guards on, the rest)
+            if not torch.compiler.is_compiling() and not _own_calls.depth and module in _watched:
                 _registered[0] += 1
 
         _registration_hooks = (
@@ -713,15 +714,18 @@ class OptimizedModule(nn.Module):
         self._model_changed(f"{name} deleted")
 
     def _forwards(self, name: str) -> bool:
-        """Is ``name`` set on the model rather than on this module?"""
+        """Is ``name`` set on the model rather than on this module? Only a name the model
+        has (as reads of ``opt.<name>`` give it): a new name (a note the user keeps on the
+        optimized module) stays here and changes nothing the graphs compute."""
         if name.startswith("_") or name in _OWN_NAMES or hasattr(type(self), name):
             return False
         own = self.__dict__
-        if "model" not in own.get("_modules", ()):  # under construction
+        model = own.get("_modules", {}).get("model")
+        if model is None:  # under construction
             return False
-        return not any(name in own[t] for t in ("_parameters", "_buffers", "_modules")) and (
-            name not in own
-        )
+        if any(name in own[t] for t in ("_parameters", "_buffers", "_modules")) or name in own:
+            return False
+        return hasattr(model, name)
 
     def _model_changed(self, what: str) -> None:
         """A change through this module to the model that no registration reports: graphs
