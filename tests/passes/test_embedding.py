@@ -330,3 +330,77 @@ def test_fbgemm_is_not_used_in_graphs_traced_again() -> None:
     assert not _uses_fbgemm(opt)
     want = model(x)
     torch.testing.assert_close(opt(x), want)
+
+
+# -- CPU cap on a fused lookup's tables ------------------------------------------------------
+# A CPU optimizer steps parameter by parameter with scratch as large as each one: tables past
+# the cap are fused in consecutive subsets, each laid out under the cap.
+BIG_ROWS, BIG_DIM = 24_576, 64  # 6 MiB of float32 per table: two fit under 16 MiB, three do not
+
+
+class BigTables(nn.Module):
+    """Five per-feature bags of 6 MiB tables (30 MiB in all), two ids per bag."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.t = nn.ModuleList(nn.EmbeddingBag(BIG_ROWS, BIG_DIM, mode="sum") for _ in range(5))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t(ids[:, i]) for i, t in enumerate(self.t)], 1)
+
+
+def _big_ids(b: int) -> tuple[torch.Tensor]:
+    return (torch.randint(0, BIG_ROWS, (b, 5, 2)),)
+
+
+def _adagrad_matches(opt: nn.Module, ref: nn.Module, steps: int = 3) -> None:
+    """Outputs and parameters equal the model as written through ``steps`` Adagrad steps."""
+    o_opt = torch.optim.Adagrad(opt.parameters(), lr=0.1)
+    o_ref = torch.optim.Adagrad(ref.parameters(), lr=0.1)
+    for _ in range(steps):
+        (x,) = _big_ids(6)
+        got, want = opt(x), ref(x)
+        torch.testing.assert_close(got, want)
+        (got**2).sum().backward()
+        (want**2).sum().backward()
+        o_opt.step()
+        o_ref.step()
+        o_opt.zero_grad(set_to_none=True)
+        o_ref.zero_grad(set_to_none=True)
+    sd_opt, sd_ref = opt.state_dict(), ref.state_dict()
+    for k in sd_ref:
+        torch.testing.assert_close(sd_opt[k], sd_ref[k])
+
+
+@pytest.mark.parametrize(
+    "rules", [RULES, pytest.param(WITH_FBGEMM, marks=needs_fbgemm)], ids=["torch", "fbgemm"]
+)
+def test_tables_past_the_cpu_cap_fuse_in_subsets_under_it(rules: list) -> None:
+    import copy
+
+    import fxrec
+    from fxrec.nn.layout import DEFAULT_MAX_GROUP_BYTES
+
+    opt = check_equivalent(BigTables, _big_ids, rules=rules)
+    assert fired(opt, "parallel_embedding") == 2  # tables 0-1 and 2-3; table 4 as written
+    assert any("cap" in r for r in refusals(opt, "parallel_embedding"))
+    flats = list(opt.fxrec_fused.parameters())
+    assert [tuple(f.shape) for f in flats] == [(2 * BIG_ROWS, BIG_DIM)] * 2
+    assert all(f.numel() * f.element_size() <= DEFAULT_MAX_GROUP_BYTES for f in flats)
+    assert any("cut into 3 sets" in n for n in opt.fxrec_report.notes)
+    ops = forward_ops(opt, *_big_ids(4))
+    # Two fused lookups and table 4's own (``_embedding_bag``).
+    if rules is RULES:  # per subset: stack of ids, id check, add of offsets, gather + sum
+        per_subset = {"aten::stack": 1, **ID_CHECK, "aten::add": 1, "aten::index_select": 1}
+        per_subset["aten::sum"] = 1
+    else:  # per subset: ids cat, bag offsets (cumsum, pad) and one fbgemm lookup
+        per_subset = {"aten::cat": 1, "aten::cumsum": 1, "aten::constant_pad_nd": 1}
+        per_subset["fbgemm::dense_embedding_codegen_lookup_function"] = 1
+    want = {k: 2 * v for k, v in per_subset.items()}
+    want["aten::cat"] = want.get("aten::cat", 0) + 1  # the model's own cat of the outputs
+    assert {k: ops[k] for k in want} == want, ops
+    assert ops["aten::_embedding_bag"] == 1
+
+    ref = BigTables()
+    model = copy.deepcopy(ref)
+    _adagrad_matches(fxrec.optimize(model, _big_ids(4), rules=rules), ref)
