@@ -48,6 +48,14 @@ Measured against ``torch.compile``: parallel towers (8 members) through the pre-
 batched GEMMs, 1.08x without; the ranking model's 104 per-feature LayerNorms still pay for
 their copy (1.5x of ``torch.compile`` without that fusion, 1.6-1.7x with it). Fusions over
 pieces of one tensor copy nothing and stay (the seed pattern: 1.35x).
+
+Members that are pieces of a few tensors (400 per-feature LayerNorms of three dims fused
+into one per dim, then 400 tanh) are fused run by run, each run of consecutive pieces a view
+of its tensor, rather than copied together with a ``cat`` into one set: a run pays its
+extra launch while it holds at least :data:`CPU_VIEW_RUN_ELEMS` elements on a CPU (copying
+that many floats costs about one eager dispatch, ~0.5 ns per element against 2-5 us per
+launch here) and :data:`VIEW_RUN_ELEMS` elsewhere (a GPU launch costs about as much as
+copying a few MiB); smaller runs are copied with the rest (:func:`view_run_pays`).
 """
 
 from __future__ import annotations
@@ -64,12 +72,15 @@ __all__ = [
     "CPU_GROUP_ELEMS",
     "CPU_MEMBER_ELEMS",
     "CPU_STACKED_INPUT_ELEMS",
+    "CPU_VIEW_RUN_ELEMS",
     "INDUCTOR_CPU_COPY_MEMBERS",
+    "VIEW_RUN_ELEMS",
     "cache_reason",
     "chunks",
     "copy_reason",
     "inductor_on_cpu",
     "stacked_inputs_reason",
+    "view_run_pays",
 ]
 
 CPU_MEMBER_ELEMS = 32 * 1024
@@ -77,6 +88,8 @@ CPU_GROUP_ELEMS = 4 * 1024 * 1024
 CPU_CHUNK_ELEMS = 1024 * 1024
 CPU_STACKED_INPUT_ELEMS = 16 * 1024
 INDUCTOR_CPU_COPY_MEMBERS = 32
+CPU_VIEW_RUN_ELEMS = 4 * 1024
+VIEW_RUN_ELEMS = 1024 * 1024
 
 
 def _numel(node: fx.Node) -> int | None:
@@ -125,6 +138,12 @@ def copy_reason(ctx: Any, members: int, what: str) -> str | None:
         f"Inductor on CPU: {what} would be copied together every step, and for fewer than "
         f"{INDUCTOR_CPU_COPY_MEMBERS} members Inductor's own loop per member is cheaper"
     )
+
+
+def view_run_pays(elems: int, device_type: str) -> bool:
+    """Whether a run of pieces of one tensor holding ``elems`` elements in all should be fused
+    on its own, as a view, rather than copied together with other members (module notes)."""
+    return elems >= (CPU_VIEW_RUN_ELEMS if device_type == "cpu" else VIEW_RUN_ELEMS)
 
 
 def stacked_inputs_reason(device_type: str, input_elems: int) -> str | None:

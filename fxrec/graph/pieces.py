@@ -22,6 +22,7 @@ __all__ = [
     "Piece",
     "piece_of",
     "contiguous_range",
+    "piece_runs",
     "SPLIT_FUNCTIONS",
     "CHUNK_FUNCTIONS",
     "UNBIND_FUNCTIONS",
@@ -219,3 +220,29 @@ def contiguous_range(
         pos += p.length
     sizes = [p.length for p in pieces]  # type: ignore[union-attr]
     return first.base, first.dim, first.start, pos - first.start, sizes, first.squeezed
+
+
+def piece_runs(nodes: Sequence[fx.Node]) -> list[list[int]]:
+    """Positions of ``nodes`` in maximal runs of consecutive pieces of one base, each run in
+    the order of its pieces; a node that is no piece is a run of its own.
+
+    Members cut from a few tensors (each of N LayerNorms fused per dim) can be fused run by
+    run, each as a view of its tensor, instead of copied together with a ``cat``.
+    """
+    runs: list[list[int]] = []
+    by_base: dict[tuple[fx.Node, int, bool], list[tuple[int, Piece]]] = {}
+    for i, n in enumerate(nodes):
+        p = piece_of(n)
+        if p is None:
+            runs.append([i])
+        else:
+            by_base.setdefault((p.base, p.dim, p.squeezed), []).append((i, p))
+    for members in by_base.values():
+        members.sort(key=lambda ip: ip[1].start)
+        end = None
+        for i, p in members:
+            if p.start != end:
+                runs.append([])
+            runs[-1].append(i)
+            end = p.start + p.length
+    return sorted(runs, key=lambda run: run[0])

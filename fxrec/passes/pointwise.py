@@ -10,6 +10,7 @@ different random numbers than N masks.
 
 from __future__ import annotations
 
+import logging
 import operator
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -20,11 +21,13 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from fxrec.graph.cost import copy_reason
+from fxrec.graph.cost import copy_reason, view_run_pays
 from fxrec.graph.effects import member_refusal, mutates_input
 from fxrec.graph.horizontal import Gathered, gather, scatter
-from fxrec.graph.pieces import contiguous_range
+from fxrec.graph.pieces import contiguous_range, piece_runs
 from fxrec.graph.rule import HorizontalRule, RewriteContext, exact, register
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "BinaryOp",
@@ -34,6 +37,12 @@ __all__ = [
     "FuseParallelBinary",
     "FuseParallelUnary",
 ]
+
+# Node meta flags: members of a run of pieces split off from a larger set (set by
+# ``partition``), and the fused op over such a run, which is kept apart from the other runs'
+# ops in later passes rather than copied together with them.
+_VIEW_RUN = "fxrec_unary_view_run"
+_KEPT_APART = "fxrec_unary_kept_apart"
 
 # canonical name -> (functions, method names, module types)
 _SPELLINGS: dict[str, tuple[set[Any], set[str], tuple[type, ...]]] = {
@@ -178,7 +187,7 @@ class FuseParallelUnary(HorizontalRule):
 
     def key(self, node: fx.Node, ctx: RewriteContext) -> Hashable | None:
         op = unary_op(node, ctx)
-        if op is None:
+        if op is None or node.meta.get(_KEPT_APART):
             return None
         ti = ctx.info(op.input)
         if ti is None or not ti.static or ti.ndim == 0:
@@ -188,6 +197,38 @@ class FuseParallelUnary(HorizontalRule):
             op.name, exact(op.extra), ti.dtype, ti.device, ti.ndim, ti.shape[:-1],
             mutates_input(node),
         )  # fmt: skip
+
+    def partition(self, group: Sequence[fx.Node], ctx: RewriteContext) -> list[list[fx.Node]]:
+        """One set per run of pieces of one tensor (a view each), the other members together.
+
+        Copying pieces of a few tensors together with a ``cat`` (N LayerNorms fused per dim,
+        their outputs interleaved by feature) costs more than one launch per tensor; see
+        :func:`fxrec.graph.cost.view_run_pays`.
+        """
+        inputs = [unary_op(n, ctx).input for n in group]  # type: ignore[union-attr]
+        runs = piece_runs(inputs)
+        if len(runs) == 1:
+            return super().partition(group, ctx)
+        views: list[list[fx.Node]] = []
+        copied: list[fx.Node] = []
+        for run in runs:
+            members = [group[i] for i in run]
+            if len(run) > 1 and view_run_pays(_elems(members, ctx), ctx.device_type):
+                views.append(members)
+            else:
+                copied.extend(members)
+        if not views:
+            return super().partition(group, ctx)
+        for n in (n for members in views for n in members):
+            n.meta[_VIEW_RUN] = True
+        logger.debug(
+            "%s: %d members as %d views of their tensors, %d copied",
+            self.name, len(group), len(views), len(copied),
+        )  # fmt: skip
+        parts: list[list[fx.Node]] = []
+        for members in views + ([copied] if copied else []):
+            parts.extend(super().partition(members, ctx))
+        return parts
 
     def refuse_reason(self, group: Sequence[fx.Node], ctx: RewriteContext) -> str | None:
         if mutates_input(group[0]):
@@ -218,10 +259,17 @@ class FuseParallelUnary(HorizontalRule):
             self.refuse(ctx, group, "inputs have no static shape")
             return
         fused = _apply(ctx, ops[0], g.node)  # type: ignore[arg-type]
+        if not g.copied and group[0].meta.get(_VIEW_RUN):
+            fused.meta[_KEPT_APART] = True
         for member, out in zip(group, scatter(ctx, fused, g)):
             ctx.replace(member, out)
         ctx.erase_if_dead(group)
         self.fired(ctx, group, f"{ops[0].name} x{len(group)}" + (" (cat)" if g.copied else ""))  # type: ignore[union-attr]
+
+
+def _elems(nodes: Sequence[fx.Node], ctx: RewriteContext) -> int:
+    """Elements of the members' results (their inputs' sizes) in all."""
+    return sum(ti.numel() for ti in (ctx.info(n) for n in nodes) if ti is not None)
 
 
 # -- binary ops --------------------------------------------------------------------------------
