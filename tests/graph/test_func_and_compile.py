@@ -19,6 +19,7 @@ from torch.func import functional_call, grad, vmap
 import fxrec
 from tests.graph.test_drop_in import TOL, D
 from tests.graph.test_hook_calls import Slices
+from tests.records import Records
 
 
 def _per_sample_grads(module: nn.Module, params: dict, x: torch.Tensor) -> dict:
@@ -56,22 +57,13 @@ def test_per_sample_gradients(untraceable: bool) -> None:
     torch.testing.assert_close(opt(x), ref(x), rtol=TOL, atol=TOL)  # graphs still serve calls
 
 
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 @pytest.mark.parametrize("untraceable", [False, True], ids=["symbolic", "dynamo"])
 def test_optimize_of_a_compiled_model_optimizes_the_model(untraceable: bool) -> None:
     torch.manual_seed(0)
     model = Slices(untraceable=untraceable, out=1)
     twin, ref = copy.deepcopy(model), copy.deepcopy(model)
     example = (torch.randn(16, 4 * D),)
-    records = _Records()
+    records = Records()
     log = logging.getLogger("fxrec.graph.module")
     log.addHandler(records)
     try:

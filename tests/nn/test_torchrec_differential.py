@@ -11,6 +11,7 @@ import torch
 from fxrec.nn import EmbeddingBagCollection, EmbeddingBagConfig
 from fxrec.sparse import to_torchrec
 from tests.nn.helpers import random_kjt
+from tests.records import Records
 
 trec = pytest.importorskip("torchrec.modules.embedding_modules")
 pytestmark = [
@@ -127,15 +128,6 @@ def test_default_init_stays_uniform_within_bounds() -> None:
     assert EmbeddingBagConfig.from_torchrec(ours.to_torchrec()) == ours
 
 
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 def test_fields_without_counterpart_raise_or_warn() -> None:
     """A field that changes the table raises; one only sharded/inference modules read warns."""
     virtual = trec.EmbeddingBagConfig(
@@ -146,7 +138,7 @@ def test_fields_without_counterpart_raise_or_warn() -> None:
     pruned = trec.EmbeddingBagConfig(
         name="t", embedding_dim=4, num_embeddings=9, num_embeddings_post_pruning=3
     )
-    records, log = _Records(), logging.getLogger("fxrec.nn.config")
+    records, log = Records(), logging.getLogger("fxrec.nn.config")
     log.addHandler(records)
     try:
         EmbeddingBagConfig.from_torchrec(pruned)

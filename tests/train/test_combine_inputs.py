@@ -498,6 +498,21 @@ def _td_with_dense(keys, batch, g):  # type: ignore[no-untyped-def]
     return TensorDict(entries, batch_size=[batch])
 
 
+def _train_alike(plain: nn.Module, new: nn.Module, packer, batches) -> None:  # type: ignore[no-untyped-def]
+    """SGD steps of the plain model on each TensorDict batch and of the combined one on its
+    packed form: every parameter ends exactly equal."""
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (plain, new)]
+    for td in batches:
+        for m, opt, args in ((plain, opts[0], (td,)), (new, opts[1], packer(td))):
+            opt.zero_grad()
+            m(*args).sum().backward()
+            opt.step()
+    want, got = dict(plain.named_parameters()), dict(new.named_parameters())
+    assert want.keys() == got.keys()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=0)
+
+
 def test_tensordict_dense_entries_travel_as_dense_arguments():
     # Only a TensorDict's jagged entries are features; its dense ones go through the packer as
     # dense arguments and are put back, in place, into the TensorDict the graph rebuilds.
@@ -517,17 +532,8 @@ def test_tensordict_dense_entries_travel_as_dense_arguments():
     (back,) = packer.unpack(*new_args)
     assert list(back.keys()) == list(td.keys()) and back["dense"] is td["dense"]
     torch.testing.assert_close(back["f1"]["weights"].values(), td["f1"]["weights"].values())
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (plain, new)]
-    for batch in (3, 5, 4):  # fresh batches of other sizes
-        td = _td_with_dense(keys, batch, g)
-        for m, opt, args in ((plain, opts[0], (td,)), (new, opts[1], packer(td))):
-            opt.zero_grad()
-            m(*args).sum().backward()
-            opt.step()
-    want, got = dict(plain.named_parameters()), dict(new.named_parameters())
-    assert want.keys() == got.keys()
-    for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=0, atol=0)
+    # fresh batches of other sizes
+    _train_alike(plain, new, packer, [_td_with_dense(keys, n, g) for n in (3, 5, 4)])
     with pytest.raises(ValueError, match="entry 'age' must be a dense tensor"):
         packer(td.exclude("age"))
 
@@ -564,17 +570,7 @@ def test_rebuilt_tensordict_keeps_the_examples_batch_size(with_dense):
     (back,) = packer.unpack(*packer(td))
     assert back.batch_size == td.batch_size and back.device is None
     check_same(plain, new, (td,), packer(td))
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (plain, new)]
-    for n in (3, 5):
-        td = batch(n)
-        for m, opt, args in ((plain, opts[0], (td,)), (new, opts[1], packer(td))):
-            opt.zero_grad()
-            m(*args).sum().backward()
-            opt.step()
-    want, got = dict(plain.named_parameters()), dict(new.named_parameters())
-    assert want.keys() == got.keys()
-    for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=0, atol=0)
+    _train_alike(plain, new, packer, [batch(n) for n in (3, 5)])
 
 
 class DenseOnlyFeatures(nn.Module):
