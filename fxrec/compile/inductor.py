@@ -149,6 +149,9 @@ def inductor_pass(rules: RuleSpec = None, *, exclude: Iterable[str] = ()) -> Fxr
 
     ``rules`` picks rules by name, class or instance (default: every registered rule);
     ``exclude`` drops rules by name. ``.report`` accumulates what each graph got.
+
+    Set it before the process compiles the model's class (or ``torch._dynamo.reset()`` after):
+    dynamo reuses code compiled for another instance of the class, which never ran the pass.
     """
     return FxrecInductorPass(rules, exclude=exclude)
 
