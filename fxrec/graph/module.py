@@ -674,7 +674,7 @@ class OptimizedModule(nn.Module):
         self.fxrec_report.capture = self.fxrec_report.capture or report.capture
         self.fxrec_report.merge(report)
         if self._backend != "eager":  # the optimized graph, compiled (parameters as inputs)
-            return _CompiledGraph(torch.compile(gm, backend=self._backend, dynamic=None))
+            return _FirstCallsLocked(torch.compile(gm, backend=self._backend, dynamic=None))
         return gm
 
     def __getattr__(self, name: str) -> Any:
@@ -969,7 +969,9 @@ class _DynamoRunner:
         self.param_list: list[nn.Parameter] = []
         self.grad_flags: list[bool] | None = None
         self.collectives: bool | None = None  # see ``communicates``
-        self.grad_modes_run: set[bool] = set()  # dynamo compiled for these (see _through_dynamo)
+        # Dynamo compiles on a grad mode's first call (and fxrec's backend runs the rules and
+        # the graphs it builds): never while another thread traces, as a build.
+        self._dynamo = _FirstCallsLocked(self._dynamo_call)
 
     # Never traced into by an outer torch.compile (``torch.compile(fxrec.optimize(m))``):
     # dynamo would inline the model's own forward, on the parameters fxrec laid out, instead
@@ -1039,15 +1041,7 @@ class _DynamoRunner:
         such a frame eagerly itself; its own frame is cached per input signature."""
         if self.exhausted:
             return self.fallback(*args, **kwargs)
-        grad = torch.is_grad_enabled()
-        if grad in self.grad_modes_run:
-            return self._dynamo_call(args, kwargs)
-        # Dynamo compiles on a grad mode's first call (and fxrec's backend runs the rules and
-        # the graphs it builds): never while another thread traces, as a build.
-        with capture_lock:
-            out = self._dynamo_call(args, kwargs)
-        self.grad_modes_run.add(grad)
-        return out
+        return self._dynamo(args, kwargs)
 
     def _dynamo_call(self, args: tuple, kwargs: dict) -> Any:
         if self.exhausted:  # reached the limit in another thread
@@ -1177,21 +1171,20 @@ def _autocast_state() -> tuple:
     )
 
 
-class _CompiledGraph:
-    """An optimized graph under ``torch.compile``, which compiles on the first call in each
-    grad mode: that call holds ``capture_lock``, as a build does (never while another thread
-    traces)."""
+class _FirstCallsLocked:
+    """``fn`` (something ``torch.compile`` compiles on the first call in each grad mode), that
+    call holding ``capture_lock``, as a build does: never while another thread traces."""
 
-    def __init__(self, compiled: Any) -> None:
-        self.compiled = compiled
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
         self.grad_modes_run: set[bool] = set()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         grad = torch.is_grad_enabled()
         if grad in self.grad_modes_run:
-            return self.compiled(*args, **kwargs)
+            return self.fn(*args, **kwargs)
         with capture_lock:
-            out = self.compiled(*args, **kwargs)
+            out = self.fn(*args, **kwargs)
         self.grad_modes_run.add(grad)
         return out
 

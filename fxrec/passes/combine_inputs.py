@@ -262,8 +262,7 @@ class InputPacker:
             elif s.kind == _TD:
                 kjt = _kjt_slice(cf, s.start, len(s.keys), mine)
                 mine_dense = [next(entries) for _ in s.dense_keys]
-                td = _rebuild_td(kjt, s.dense_keys, s.order, mine_dense)
-                out[s.positions[0]] = _as_example(td, s.td_form)
+                out[s.positions[0]] = _rebuild_td(kjt, s.dense_keys, s.order, mine_dense, s.td_form)
             elif s.kind == _JT_DICT:
                 out[s.positions[0]] = {k: jts[s.start + j] for j, k in enumerate(s.keys)}
             elif s.kind == _JT:
@@ -329,23 +328,20 @@ def _rebuild_td(
     dense_keys: Sequence[str],
     order: Sequence[str],
     dense: Sequence[torch.Tensor],
+    form: tuple[int, bool],
 ) -> Any:
-    """The TensorDict of ``kjt``'s features and the ``dense`` entries, in its own order."""
-    td = kjt_to_tensordict(kjt)
-    if not dense_keys:
-        return td
-    entries = dict(td.items())
-    entries.update(zip(dense_keys, dense))
-    batch = list(td.batch_size)
-    if any(list(t.shape[: len(batch)]) != batch for t in dense):
-        batch = []  # a dense entry of another batch size: no common batch dimension
-    return TensorDict({k: entries[k] for k in order}, batch_size=batch, device=td.device)
-
-
-def _as_example(td: Any, form: tuple[int, bool]) -> Any:
-    """``td`` with the example TensorDict's batch dims and device-or-none: model code may read
+    """The TensorDict of ``kjt``'s features and the ``dense`` entries, in its own order, with
+    the example TensorDict's batch dims and device-or-none (``form``): model code may read
     ``td.shape``, ``td.numel()`` or ``td.device`` (a TensorDict built without ``batch_size``
-    has none, while a rebuilt one has the features' batch)."""
+    has none, while one built from the features has their batch)."""
+    td = kjt_to_tensordict(kjt)
+    if dense_keys:
+        entries = dict(td.items())
+        entries.update(zip(dense_keys, dense))
+        batch = list(td.batch_size)
+        if any(list(t.shape[: len(batch)]) != batch for t in dense):
+            batch = []  # a dense entry of another batch size: no common batch dimension
+        td = TensorDict({k: entries[k] for k in order}, batch_size=batch, device=td.device)
     batch_dims, has_device = form
     if td.batch_dims > batch_dims:
         td.batch_size = td.batch_size[:batch_dims]
@@ -393,7 +389,7 @@ class _Rebuild(nn.Module):
                 return to_torchrec(kjt)
             if self.kind == _KJT:
                 return kjt
-            return _as_example(_rebuild_td(kjt, self.dense_keys, self.order, dense), self.td_form)
+            return _rebuild_td(kjt, self.dense_keys, self.order, dense, self.td_form)
         # JaggedTensor kinds: ``start`` indexes the permute_and_split pieces.
         vals, lens, wts = parts
         n = len(self.keys)

@@ -9,7 +9,6 @@ opaque call instead of tracing its per-call bookkeeping.
 from __future__ import annotations
 
 import copy
-import logging
 
 import pytest
 import torch
@@ -19,7 +18,7 @@ from torch.func import functional_call, grad, vmap
 import fxrec
 from tests.graph.test_drop_in import TOL, D
 from tests.graph.test_hook_calls import Slices
-from tests.records import Records
+from tests.records import recorded
 
 
 def _per_sample_grads(module: nn.Module, params: dict, x: torch.Tensor) -> dict:
@@ -63,13 +62,8 @@ def test_optimize_of_a_compiled_model_optimizes_the_model(untraceable: bool) -> 
     model = Slices(untraceable=untraceable, out=1)
     twin, ref = copy.deepcopy(model), copy.deepcopy(model)
     example = (torch.randn(16, 4 * D),)
-    records = Records()
-    log = logging.getLogger("fxrec.graph.module")
-    log.addHandler(records)
-    try:
+    with recorded("fxrec.graph.module") as records:
         opt = fxrec.optimize(torch.compile(model, backend="eager"), example)
-    finally:
-        log.removeHandler(records)
     assert any("torch.compile" in m and 'backend="inductor"' in m for m in records.messages)
     assert opt.model is model
     plain = fxrec.optimize(twin, example)

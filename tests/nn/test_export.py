@@ -7,10 +7,7 @@ unpickling."""
 
 from __future__ import annotations
 
-import logging
 import warnings
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -23,6 +20,7 @@ from torch.export import Dim, ShapesCollection
 import fxrec
 from fxrec.nn import EmbeddingBagCollection, EmbeddingBagConfig
 from fxrec.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
+from tests.records import recorded
 
 KEYS = ["f0", "f1", "f2", "f3"]
 
@@ -167,25 +165,11 @@ def test_fxrec_export_of_a_dynamo_capture_raises() -> None:
     torch._dynamo.reset()
 
 
-@contextmanager
-def _warnings_logged(name: str) -> Iterator[list[logging.LogRecord]]:
-    """The records of WARNING and above that logger ``name`` emits inside the block."""
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = records.append  # type: ignore[method-assign]
-    logger = logging.getLogger(name)
-    logger.addHandler(handler)
-    try:
-        yield records
-    finally:
-        logger.removeHandler(handler)
-
-
 def _save_and_load(ep: torch.export.ExportedProgram, path: Path) -> torch.export.ExportedProgram:
     torch.export.save(ep, path)
-    with _warnings_logged("torch._export.serde.serialize") as records:
+    with recorded("torch._export.serde.serialize") as records:
         loaded = torch.export.load(path)
-    assert not records, [r.getMessage() for r in records]  # no unsafe-unpickling fallback
+    assert not records.messages, records.messages  # no unsafe-unpickling fallback
     assert loaded.call_spec.in_spec == ep.call_spec.in_spec
     return loaded
 

@@ -3,15 +3,13 @@ same keys, outputs and per-table gradients; checkpoints move both ways."""
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
 
 from fxrec.nn import EmbeddingBagCollection, EmbeddingBagConfig
 from fxrec.sparse import to_torchrec
 from tests.nn.helpers import random_kjt
-from tests.records import Records
+from tests.records import recorded
 
 trec = pytest.importorskip("torchrec.modules.embedding_modules")
 pytestmark = [
@@ -138,10 +136,6 @@ def test_fields_without_counterpart_raise_or_warn() -> None:
     pruned = trec.EmbeddingBagConfig(
         name="t", embedding_dim=4, num_embeddings=9, num_embeddings_post_pruning=3
     )
-    records, log = Records(), logging.getLogger("fxrec.nn.config")
-    log.addHandler(records)
-    try:
+    with recorded("fxrec.nn.config") as records:
         EmbeddingBagConfig.from_torchrec(pruned)
-    finally:
-        log.removeHandler(records)
     assert any("num_embeddings_post_pruning=3 is not carried over" in m for m in records.messages)
