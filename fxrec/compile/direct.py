@@ -24,7 +24,7 @@ from __future__ import annotations
 import dis
 import logging
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +34,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DirectCall", "GraphRecord", "input_paths", "plain_graph_call"]
+__all__ = ["DirectCall", "GraphRecord", "input_paths", "plain_graph_call", "unrebound_cells"]
 
 # Opcodes of the code dynamo generates around one graph call: loads, calls, building the
 # output containers, local bookkeeping. Anything else (stores to attributes, globals,
@@ -115,20 +115,23 @@ _MODULE_MARKERS = (
 
 
 def source_path(
-    source: Any, params: Sequence[str], cells: bool = False
+    source: Any, params: Sequence[str], cells: bool | Collection[str] = False
 ) -> tuple[int, list[tuple[str, Any]]] | None:
     """(argument position, [("item"|"attr", key), ...]) of a Source rooted at an argument.
 
     ``cells``: also an argument held in a cell (read by a comprehension or closure), whose
-    contents the function body could rebind.
+    contents the function body could rebind: any (True), or those named (arguments no code
+    rebinds, see :func:`unrebound_cells`).
     """
     steps: list[tuple[str, Any]] = []
     while True:
         kind = type(source).__name__
         if kind == "LocalSource":
-            if getattr(source, "is_derefed_cell_contents", False) and not cells:
-                return None
             name = source.local_name
+            if getattr(source, "is_derefed_cell_contents", False) and not (
+                cells is True or (cells and name in cells)
+            ):
+                return None
             if name not in params:
                 return None
             return params.index(name), steps[::-1]
@@ -146,17 +149,36 @@ def source_path(
         source = source.base
 
 
+def unrebound_cells(code: types.CodeType, params: Sequence[str]) -> frozenset[str]:
+    """The arguments ``params`` of ``code`` held in cells (Python 3.11 makes one of an
+    argument a comprehension or closure reads) that neither ``code`` nor a function nested
+    in it rebinds or deletes: the cell holds the argument itself for the whole call."""
+    names = {p.lstrip("*") for p in params}
+    held = names.intersection(code.co_cellvars)
+    todo = [code]
+    while held and todo:
+        c = todo.pop()
+        for ins in dis.get_instructions(c):
+            if ins.opname in ("STORE_DEREF", "DELETE_DEREF"):
+                held.discard(ins.argval)
+        todo.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+    return frozenset(held)
+
+
 def input_paths(
-    sources: Sequence[Any], params: Sequence[str]
+    sources: Sequence[Any], params: Sequence[str], cells: Collection[str] = ()
 ) -> Callable[..., tuple[Any, ...]] | None:
     """A function from the call's positional arguments to the graph's inputs, or None.
 
-    Generated as one expression per input (``a1['f000']``), the cheapest way Python has
-    to read a hundred nested entries.
+    ``params``: the frame's parameter names, ``*name`` for one taking the remaining
+    positional arguments; ``cells``: arguments held in cells whose contents stay the
+    argument (see :func:`unrebound_cells`). Generated as one expression per input
+    (``a1['f000']``), the cheapest way Python has to read a hundred nested entries.
     """
+    names = [p.lstrip("*") for p in params]
     exprs = []
     for source in sources:
-        path = source_path(source, params) if source is not None else None
+        path = source_path(source, names, cells) if source is not None else None
         if path is None:
             return None
         pos, steps = path
@@ -169,7 +191,7 @@ def input_paths(
             else:
                 expr += f"[{key!r}]"
         exprs.append(expr)
-    args = ", ".join(f"a{i}" for i in range(len(params)))
+    args = ", ".join(f"{'*' if p.startswith('*') else ''}a{i}" for i, p in enumerate(params))
     body = ", ".join(exprs)
     src = f"lambda {args}: ({body}{',' if len(exprs) == 1 else ''})"
     return eval(compile(src, "<fxrec direct inputs>", "eval"), {})
@@ -192,12 +214,25 @@ class DirectCall:
         self.leaves = leaves  # (is graph output, its index or the constant)
         self.spec = spec
         self.guards = guards  # dynamo's guards on the arguments (and global state)
-        self.params = list(params)
+        self.params = [p.lstrip("*") for p in params]
+        star = bool(params) and params[-1].startswith("*")
+        self.fixed = len(params) - 1 if star else None  # named parameters before ``*name``
 
     def accepts(self, args: tuple) -> bool:
         """Do dynamo's guards on the arguments pass? The graph may have baked in Python
         values read from them (a KJT's per-key counts), or their strides."""
-        return bool(self.guards.check(dict(zip(self.params, args))))
+        if self.fixed is None:  # every call: no method call for the usual forward
+            return bool(self.guards.check(dict(zip(self.params, args))))
+        return bool(self.guards.check(self.frame(args)))
+
+    def frame(self, args: tuple) -> dict[str, Any]:
+        """The frame's locals for positional arguments ``args``, as dynamo's guards read them."""
+        n = self.fixed
+        if n is None:
+            return dict(zip(self.params, args))
+        local = dict(zip(self.params, args[:n]))
+        local[self.params[n]] = args[n:]
+        return local
 
     def __call__(self, *args: Any) -> Any:
         outs = self.record.fn(*self.inputs(*args))
@@ -216,7 +251,8 @@ class DirectCall:
         """A direct call for ``code``'s one compiled graph, or (None, why not).
 
         ``records`` are the graphs compiled while running the first call on ``args``,
-        ``result`` what it returned, ``records[0].last_outputs`` the graph's outputs.
+        ``result`` what it returned, ``records[0].last_outputs`` the graph's outputs;
+        ``params`` as :func:`input_paths` takes them.
         """
         tensors = [t for t in tree_leaves(args) if isinstance(t, torch.Tensor)]
         if len({id(t) for t in tensors}) != len(tensors):
@@ -236,11 +272,11 @@ class DirectCall:
             return None, f"{len(entries)} compiled versions of the frame"
         if not plain_graph_call(entries[0].code):
             return None, "dynamo's code around the graph does more than call it"
-        guards = _argument_guards(entries[0], params)
+        guards = _argument_guards(entries[0], [p.lstrip("*") for p in params])
         if guards is None:
             return None, "cannot read dynamo's guards on the arguments"
         (record,) = records
-        inputs = input_paths(record.sources, params)
+        inputs = input_paths(record.sources, params, unrebound_cells(code, params))
         if inputs is None:
             return None, "a graph input is not read from the arguments"
         outs = record.last_outputs

@@ -18,6 +18,8 @@ import contextlib
 import inspect
 import logging
 import operator
+import os
+import sys
 import threading
 from collections.abc import Collection, Iterator, Sequence
 from typing import Any
@@ -50,6 +52,38 @@ __all__ = [
 # ``fxrec.optimize``'s whole build of a graph (trace, rules, check, first compile), which
 # runs the graphs and the model it captures.
 capture_lock = threading.RLock()
+
+
+def _free_in_child(lock: Any) -> bool:
+    """Free ``lock`` if a thread that did not survive the fork holds it (True if one did).
+
+    Freed in place: ``capture_lock`` is imported by name elsewhere."""
+    if not (hasattr(lock, "_is_owned") and hasattr(lock, "_at_fork_reinit")):
+        return False  # not an RLock (another torch's): left as it is
+    if lock._is_owned():  # the forking thread's own: a fork from inside a build
+        return False
+    if lock.acquire(blocking=False):
+        lock.release()
+        return False
+    lock._at_fork_reinit()
+    return True
+
+
+def _after_fork_in_child() -> None:
+    """A process forked while another thread builds a graph (a DataLoader worker started
+    during ``fxrec.optimize``) inherits ``capture_lock`` and dynamo's compile lock held by a
+    thread that does not exist there, and fx's "tracing" flag set by its trace: the child's
+    first build (a new input size) would wait forever, or dynamo would refuse to run."""
+    if _free_in_child(capture_lock):
+        torch.fx._symbolic_trace._is_fx_tracing_flag = False  # that trace died with its thread
+    convert_frame = sys.modules.get("torch._dynamo.convert_frame")
+    compile_lock = getattr(convert_frame, "compile_lock", None)
+    if compile_lock is not None:
+        _free_in_child(compile_lock)
+
+
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class CaptureError(RuntimeError):

@@ -36,6 +36,7 @@ from torch.utils.hooks import RemovableHandle
 from fxrec.graph import meta
 from fxrec.graph.capture import CaptureError, capture_lock, capture_symbolic
 from fxrec.graph.effects import comm_kind, has_hooks
+from fxrec.graph.optim_state import track
 from fxrec.graph.optimize_graph import RuleSpec, optimize_graph, resolve_rules
 from fxrec.graph.params import FusedParameters, ParamStore, laid_out
 from fxrec.graph.report import Report
@@ -207,7 +208,16 @@ class OptimizedModule(nn.Module):
             return self._run(args, kwargs)  # traced: no registration counts (see count())
         if torch.compiler.is_compiling():
             return self._opaque_call(args, kwargs)
+        if _fx_trace._is_fx_tracing_flag or _jit_tracing():  # two reads: ~0.1 us a call
+            _refuse_tracers(args, kwargs)
         return self._call(args, kwargs)
+
+    def __prepare_scriptable__(self) -> nn.Module:
+        """``torch.jit.script`` calls this first (on every submodule of a scripted model)."""
+        raise RuntimeError(
+            "fxrec: torch.jit.script cannot script an optimized module: its graphs are "
+            f"built per input signature and cached at call time. {_PORTABLE}"
+        )
 
     @torch.compiler.disable
     def _opaque_call(self, args: tuple, kwargs: dict) -> Any:
@@ -702,6 +712,7 @@ class OptimizedModule(nn.Module):
         model = self._modules["model"]
         old = getattr(model, name, _MISSING)
         setattr(model, name, value)
+        self.__dict__.get("_deleted_on_model", set()).discard(name)
         if not isinstance(value, (nn.Module, nn.Parameter)) and not _same_value(old, value):
             self._model_changed(f"{name} set")
 
@@ -711,12 +722,15 @@ class OptimizedModule(nn.Module):
             super().__delattr__(name)
             return
         delattr(self._modules["model"], name)  # PyTorch registers no deletion: look now
+        # set again later (``opt.fc = nn.Linear(...)``): on the model, where forward reads it
+        self.__dict__.setdefault("_deleted_on_model", set()).add(name)
         self._model_changed(f"{name} deleted")
 
     def _forwards(self, name: str) -> bool:
         """Is ``name`` set on the model rather than on this module? Only a name the model
-        has (as reads of ``opt.<name>`` give it): a new name (a note the user keeps on the
-        optimized module) stays here and changes nothing the graphs compute."""
+        has (as reads of ``opt.<name>`` give it), or had until deleted through this module
+        (``del opt.fc; opt.fc = ...`` replaces the model's): a new name (a note the user
+        keeps on the optimized module) stays here and changes nothing the graphs compute."""
         if name.startswith("_") or name in _OWN_NAMES or hasattr(type(self), name):
             return False
         own = self.__dict__
@@ -725,7 +739,7 @@ class OptimizedModule(nn.Module):
             return False
         if any(name in own[t] for t in ("_parameters", "_buffers", "_modules")) or name in own:
             return False
-        return hasattr(model, name)
+        return hasattr(model, name) or name in own.get("_deleted_on_model", ())
 
     def _model_changed(self, what: str) -> None:
         """A change through this module to the model that no registration reports: graphs
@@ -750,7 +764,7 @@ class OptimizedModule(nn.Module):
             raise ValueError(
                 "fxrec: load_state_dict(assign=True) would detach laid-out parameters; load with assign=False"
             )
-        return self.model.load_state_dict(state_dict, strict=strict)
+        return self.model.load_state_dict(_without_assign_flags(state_dict), strict=strict)
 
     def named_parameters(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
@@ -912,21 +926,51 @@ def _own_code(model: nn.Module) -> Any:
 def _code_and_params(fn: Any, model: nn.Module) -> tuple[Any, list[str]]:
     """The private code object dynamo caches ``fn`` under, and its parameter names.
 
-    (None, []) when calls cannot bypass dynamo: a module compiled with its hooks, or a
-    forward taking ``*args``/``**kwargs``/keyword-only parameters, whose arguments would
-    not line up with the positional call.
+    ``*name`` for a parameter taking the remaining positional arguments. (None, []) when
+    calls cannot bypass dynamo: a module compiled with its hooks, or a forward taking
+    ``**kwargs`` or keyword-only parameters, which a positional call does not fill.
     """
     if fn is model:
         return None, []
     sig = inspect.signature(fn)
     plain = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    if any(p.kind not in plain for p in sig.parameters.values()):
+    kinds = [p.kind for p in sig.parameters.values()]
+    if kinds and kinds[-1] is inspect.Parameter.VAR_POSITIONAL:
+        kinds.pop()
+    if any(k not in plain for k in kinds):
         return None, []
-    return fn.__func__.__code__, list(sig.parameters)
+    params = sig.parameters.values()
+    names = [f"*{p.name}" if p.kind is p.VAR_POSITIONAL else p.name for p in params]
+    return fn.__func__.__code__, names
 
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _TRAINING = operator.attrgetter("training")
+_fx_trace = torch.fx._symbolic_trace  # its flag is set while any thread traces
+_jit_tracing = torch._C._is_tracing
+_PORTABLE = (
+    "For a portable program, export it with fxrec.export(opt, args, dynamic_shapes=...) "
+    "(torch.export's arguments); to trace or script the model as written, pass the plain "
+    "model (opt.model, which holds the same values) instead."
+)
+
+
+def _refuse_tracers(args: tuple, kwargs: dict) -> None:
+    """Raise, saying what to use, under ``torch.jit.trace`` (and TorchScript-based ONNX
+    export) or a symbolic trace of the optimized module: they would record one cached graph
+    of fxrec's (or fail on its bookkeeping) as if it were the model."""
+    if _jit_tracing():
+        raise RuntimeError(
+            "fxrec: torch.jit.trace (and torch.onnx.export(..., dynamo=False), which runs it) "
+            f"cannot trace an optimized module. {_PORTABLE}"
+        )
+    from torch.utils._pytree import tree_leaves
+
+    if any(isinstance(a, fx.Proxy) for a in tree_leaves((args, kwargs))):
+        raise RuntimeError(
+            "fxrec: torch.fx.symbolic_trace cannot trace an optimized module: its graphs are "
+            f"built per input signature at call time. {_PORTABLE}"
+        )
 
 
 class _DynamoRunner:
@@ -960,6 +1004,9 @@ class _DynamoRunner:
         self.backend = backend
         self.code = code
         self.params = params
+        star = bool(params) and params[-1].startswith("*")
+        self.fixed = len(params) - star  # named positional parameters: all must be passed
+        self.star = star
         self.report = report
         self.try_direct = direct
         self.direct: Any = None
@@ -987,12 +1034,16 @@ class _DynamoRunner:
             and direct.accepts(args)
         ):
             return direct(*args)
-        if not self.try_direct or kwargs or len(args) != len(self.params):
+        if not self.try_direct or kwargs or not self._positional(len(args)):
             return self._through_dynamo(args, kwargs)  # defaults left out: dynamo fills them in
         with capture_lock:  # dynamo compiles now (see _through_dynamo)
             if not self.try_direct:  # another thread's first call came first
                 return self(*args, **kwargs)
             return self._first_call(args)
+
+    def _positional(self, n: int) -> bool:
+        """Do ``n`` positional arguments fill every named parameter (none left to defaults)?"""
+        return n >= self.fixed if self.star else n == self.fixed
 
     def _first_call(self, args: tuple) -> Any:
         """Compile through dynamo, then decide whether later calls may skip it."""
@@ -1067,10 +1118,12 @@ class _DynamoRunner:
 
         Dynamo runs the code around a graph break (a hook it cannot compile, say) eagerly,
         on the members; their gradients would never reach the flat parameters the optimizer
-        holds. If the call's autograd graph reaches a member, this call is run again, and
-        later ones run, through the laid-out parameters (the model eagerly): slower, right.
-        A module with backward hooks is never compiled: when it holds members, the call goes
-        there at once (running the model twice would run its forward hooks twice).
+        holds. If the call's autograd graph reaches a member, later calls run through the
+        laid-out parameters (the model eagerly): slower, right. This call is run again that
+        way, unless the model has forward hooks: they ran in it, and must run once per call,
+        so its result stands (the members' gradients move into the flat ones, see
+        ``fxrec.graph.params._grad_to_flat``). A module with backward hooks is never
+        compiled: when it holds members, the call goes there at once.
         """
         self.routes_checked = True
         members = self.fallback.owner.member_ids()
@@ -1089,10 +1142,13 @@ class _DynamoRunner:
             return self.fallback(*args, **kwargs)
         with _preserved_state(self.fallback.model, (args, kwargs)) as state:  # undone unless kept
             result = self.compiled(*args, **kwargs)
-            if not _reaches_leaves(result, members):
+            stray = _reaches_leaves(result, members)
+            stands = not stray or _forward_hooked(self.fallback.model)
+            if stands:
                 state.keep()
-                return result
-        self.exhausted = True  # the call runs again, through the flat parameters
+        if not stray:
+            return result
+        self.exhausted = True  # later calls run through the flat parameters
         note = (
             "dynamo runs part of the forward outside its graphs (a graph break: a hook it "
             "cannot compile?) on parameters laid out in flat tensors; those calls run the "
@@ -1100,7 +1156,7 @@ class _DynamoRunner:
         )
         logger.warning("fxrec: %s", note)
         self.report.note(note)
-        return self.fallback(*args, **kwargs)
+        return result if stands else self.fallback(*args, **kwargs)
 
 
 def _rank_local(model: nn.Module) -> list[str]:
@@ -1125,6 +1181,11 @@ def _backward_hooked_member(model: nn.Module, members: set[int]) -> str | None:
         ):
             return name
     return None
+
+
+def _forward_hooked(model: nn.Module) -> bool:
+    """Does a module of ``model`` have forward (pre-)hooks, which a call runs?"""
+    return any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
 
 
 def _reaches_leaves(result: Any, leaves: set[int]) -> bool:
@@ -1173,7 +1234,8 @@ def _autocast_state() -> tuple:
 
 class _FirstCallsLocked:
     """``fn`` (something ``torch.compile`` compiles on the first call in each grad mode), that
-    call holding ``capture_lock``, as a build does: never while another thread traces."""
+    call holding ``capture_lock``, as a build does: never while another thread traces.
+    Later calls take the lock only while some thread traces (see :func:`_steady_call`)."""
 
     def __init__(self, fn: Any) -> None:
         self.fn = fn
@@ -1182,11 +1244,34 @@ class _FirstCallsLocked:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         grad = torch.is_grad_enabled()
         if grad in self.grad_modes_run:
-            return self.fn(*args, **kwargs)
+            return _steady_call(self.fn, args, kwargs)
         with capture_lock:
             out = self.fn(*args, **kwargs)
         self.grad_modes_run.add(grad)
         return out
+
+
+# what dynamo raises on entering a compiled function while fx's tracing flag is set
+_NESTED_TRACE = "using FX to symbolically trace a dynamo-optimized function"
+
+
+def _steady_call(fn: Any, args: tuple, kwargs: dict) -> Any:
+    """A call of ``fn``, compiled already, that goes through dynamo.
+
+    Dynamo refuses to enter a compiled function while fx's tracing flag is set, and that
+    flag is the process's: another thread's symbolic trace (``fxrec.optimize`` of another
+    model, a first call in a new mode) would make this call raise. While one traces, the
+    call waits for the end of that build (``capture_lock``, which each build holds; the
+    flag is one global read); a trace starting between the read and dynamo's own check
+    makes dynamo refuse before it runs anything, and the call is made again the same way."""
+    if not _fx_trace._is_fx_tracing_flag:
+        try:
+            return fn(*args, **kwargs)
+        except RuntimeError as exc:
+            if _NESTED_TRACE not in str(exc) or capture_lock._is_owned():  # type: ignore[attr-defined]
+                raise
+    with capture_lock:
+        return fn(*args, **kwargs)
 
 
 class _EagerRunner:
@@ -1275,10 +1360,102 @@ def _hooks_silenced(model: nn.Module) -> Iterator[None]:
             t.update(kept)
 
 
+def _without_assign_flags(state_dict: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``state_dict``, or a copy whose metadata drops ``assign_to_params_buffers``.
+
+    ``load_state_dict(sd, assign=True)`` on any module marks ``sd``'s metadata in place, and
+    a later ``load_state_dict(sd)`` reads that mark as ``assign=True``: it would replace the
+    laid-out parameters instead of copying values into them."""
+    metadata = getattr(state_dict, "_metadata", None)
+    if not metadata or not any(m.get(_ASSIGN_FLAG) for m in metadata.values()):
+        return state_dict
+    out = OrderedDict(state_dict)
+    out._metadata = type(metadata)(  # type: ignore[attr-defined]
+        (k, {f: v for f, v in m.items() if f != _ASSIGN_FLAG}) for k, m in metadata.items()
+    )
+    return out
+
+
+_ASSIGN_FLAG = "assign_to_params_buffers"
+
+
+# Parameters a forward was seen writing in place (``F.embedding(..., max_norm=)`` on a
+# parameter, a clamp under no_grad), by id: copied before fxrec's later runs, as known
+# writers are.
+_written_in_place: dict[int, weakref.ref] = {}
+
+
+def _seen_written(p: torch.Tensor) -> bool:
+    ref = _written_in_place.get(id(p))
+    return ref is not None and ref() is p
+
+
+def _note_written(p: torch.Tensor) -> None:
+    key = id(p)
+
+    def forget(ref: weakref.ref) -> None:  # the parameter died: its id may be reused
+        if _written_in_place.get(key) is ref:
+            del _written_in_place[key]
+
+    if not _seen_written(p):
+        _written_in_place[key] = weakref.ref(p, forget)
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """``t``'s version counter, or None where it keeps none (inference and meta tensors)."""
+    if t.is_inference() or t.device.type == "meta":
+        return None
+    try:
+        return t._version
+    except RuntimeError:  # a tensor subclass without one
+        return None
+
+
+def _flats_holding(t: torch.Tensor) -> list[torch.Tensor]:
+    """The flat tensors holding ``t``'s values: the one it is laid out in, and so on out.
+
+    A laid-out member shares storage with its flat tensor but not its version counter
+    (``member.data = flat[i]``): graphs write through the flat one, the model through it."""
+    from fxrec.graph.params import _LAID_OUT
+
+    out: list[torch.Tensor] = []
+    entry = _LAID_OUT.get(id(t))
+    while entry is not None and entry[0]() is t:
+        flat = entry[1]()
+        if flat is None or any(f is flat for f in out):
+            break
+        out.append(flat)
+        t, entry = flat, _LAID_OUT.get(id(flat))
+    return out
+
+
+_HOOKED_COPY_BYTES = 64 << 20
+
+
+def _written_params(model: nn.Module) -> list[nn.Parameter]:
+    """Parameters a forward of ``model`` may write in place, copied before each of fxrec's
+    runs (copying every parameter would cost as much memory as the tables):
+    ``Embedding``/``EmbeddingBag(max_norm=...)`` renormalize the rows they look up, a
+    module's own forward hooks may change its parameters (those up to 64 MiB: a logging
+    hook on a large table's module must not double its memory; larger ones are seen by
+    their version, see ``_report_unsaved_writes``), and parameters seen written before."""
+    out: dict[int, nn.Parameter] = {}
+    for m in model.modules():
+        renorms = isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None
+        hooked = m._forward_pre_hooks or m._forward_hooks
+        for p in m.parameters(recurse=False) if renorms or hooked else ():
+            if renorms or p.numel() * p.element_size() <= _HOOKED_COPY_BYTES:
+                out[id(p)] = p
+    for p in model.parameters():
+        if _seen_written(p):
+            out[id(p)] = p
+    return [p for p in out.values() if _version(p) is not None]
+
+
 class _preserved_state:
     """Capture runs the model; it must not change running statistics, buffers a forward
-    reassigns (``self.steps = self.steps + 1``), inputs it changes in place, or the RNG
-    stream."""
+    reassigns (``self.steps = self.steps + 1``), inputs it changes in place, parameters it
+    writes (``max_norm`` renormalization), or the RNG stream."""
 
     def __init__(self, model: nn.Module, inputs: Any = ()) -> None:
         self.model = model
@@ -1300,9 +1477,21 @@ class _preserved_state:
             for t in tree_leaves(self.inputs)
             if isinstance(t, torch.Tensor) and not t.is_inference()
         ]
+        self._watch_params()
         self.rng = torch.random.fork_rng(devices=[])
         self.rng.__enter__()
         return self
+
+    def _watch_params(self) -> None:
+        """Copy the parameters known to be written; note every parameter's version (and
+        its flat tensors'), to tell a write to one of the others."""
+        self.params = [(p, p.detach().clone()) for p in _written_params(self.model)]
+        self.versions: dict[int, tuple[torch.Tensor, int]] = {}
+        for p in self.model.parameters():
+            for t in (p, *_flats_holding(p)):
+                v = _version(t)
+                if v is not None:
+                    self.versions[id(t)] = (t, v)
 
     def keep(self) -> None:
         """Let what ran stand (statistics and the RNG stream as the run left them)."""
@@ -1321,6 +1510,31 @@ class _preserved_state:
             for t, version, saved in self.args:
                 if t._version != version:
                     t.copy_(saved)
+            for p, saved in self.params:
+                if not torch.equal(p, saved):
+                    p.copy_(saved)
+        self._report_unsaved_writes()
+
+    def _report_unsaved_writes(self) -> None:
+        """Warn of parameters the run wrote without a copy to put back; copy them next time."""
+        covered = {id(p) for p, _ in self.params}
+        covered.update(id(f) for p, _ in self.params for f in _flats_holding(p))
+        moved = {i for i, (t, v) in self.versions.items() if i not in covered and _version(t) != v}
+        if not moved:
+            return
+        names = []
+        for name, p in self.model.named_parameters():
+            if id(p) in moved or any(id(f) in moved for f in _flats_holding(p)):
+                _note_written(p)
+                names.append(name)
+        logger.warning(
+            "fxrec: the model's forward wrote parameters in place (%s) while fxrec ran it to "
+            "capture, check or count it, and fxrec kept no copy to put back: their values now "
+            "differ from the model's before. fxrec copies them before its later runs; to undo "
+            "this change, load a state dict saved before fxrec.optimize (or this call) with "
+            "load_state_dict.",
+            ", ".join(names),
+        )
 
 
 def _run_annotating(gm: fx.GraphModule, args: tuple) -> Any:
@@ -1458,6 +1672,7 @@ def optimize(
             opt.fxrec_report.kernels_before, opt.fxrec_report.kernels_after = _kernels(
                 model, opt, runner, example_inputs
             )
+    track(opt)  # optimizers over it record its layouts in their state (see optim_state)
     return opt
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import operator
+import re
 import weakref
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field, replace
@@ -34,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from fxrec.graph.effects import has_hooks
+from fxrec.graph.effects import has_hooks, written_in_place
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +68,8 @@ class _Slot:
 
 
 def _slot(how: str, m: _Member) -> _Slot:
-    return _Slot(how, m.index, m.offset, m.tensor.shape[0] if m.tensor.dim() else 1, m.within)
+    # ``int``: under ``torch.jit.trace`` a size is a traced tensor, which graph code would bake in
+    return _Slot(how, m.index, m.offset, int(m.tensor.shape[0]) if m.tensor.dim() else 1, m.within)
 
 
 def _member_slice(flat: torch.Tensor, how: str, m: _Member) -> torch.Tensor:
@@ -85,6 +87,16 @@ def _slot_view(flat: torch.Tensor, slot: _Slot) -> torch.Tensor:
             piece = piece.as_strided(piece.shape, _dense_strides(piece.shape))
         return piece
     return flat.narrow(0, slot.offset, slot.rows)
+
+
+def _sparse_slot(grad: torch.Tensor, slot: _Slot) -> torch.Tensor:
+    """A sparse gradient's part at ``slot``, as a new sparse tensor: sparse tensors have no
+    views of their rows (``narrow`` / ``as_strided`` are not implemented for them)."""
+    for outer in slot.within:
+        grad = _sparse_slot(grad, outer)
+    if slot.how == "stack":
+        return grad.select(0, slot.index)
+    return grad.narrow_copy(0, slot.offset, slot.rows)
 
 
 def _dense_strides(shape: torch.Size) -> tuple[int, ...]:
@@ -226,7 +238,7 @@ def _grad_to_flat(member: torch.Tensor) -> None:
         if flat.grad.is_sparse:
             full = torch.zeros_like(flat)
             _slot_view(full, entry[2]).add_(g)
-            flat.grad = flat.grad + full.to_sparse()
+            flat.grad = flat.grad + full.to_sparse(flat.grad.sparse_dim())
         else:
             _slot_view(flat.grad, entry[2]).add_(g)
     note = _note(flat)
@@ -369,12 +381,15 @@ def _give_back(back: dict[int, tuple[torch.Tensor, set[int]]]) -> None:
     for key, (flat, _) in back.items():
         grad = flat.grad
         assert grad is not None
-        dense[key] = grad.to_dense() if grad.is_sparse else grad
+        dense[key] = grad.coalesce() if grad.is_sparse else grad
     for ref, owner, slot in list(_LAID_OUT.values()):
         member, flat = ref(), owner()
         flat_moved = back.get(id(flat)) if member is not None and flat is not None else None
         if flat_moved is not None and flat_moved[0] is flat and id(member) in flat_moved[1]:
-            member.grad = _slot_view(dense[id(flat)], slot).clone()
+            grad = dense[id(flat)]
+            member.grad = (
+                _sparse_slot(grad, slot) if grad.is_sparse else _slot_view(grad, slot).clone()
+            )
     for flat, _ in back.values():
         flat.grad = None
 
@@ -389,6 +404,41 @@ def has_grad_hooks(t: torch.Tensor) -> bool:
     return bool(hooks) and any(
         h is not _grad_to_flat and h is not _graph_grad for h in hooks.values()
     )
+
+
+_NAME_PARTS = re.compile(r"[^0-9A-Za-z]+")
+_DYNAMO_PREFIX = re.compile(r"^(L__self___|L_self_|self_|L_)")
+
+
+def flat_name(names: Sequence[str]) -> str | None:
+    """A flat tensor's name made of what its members' names share, e.g. ``towers.0.2.bias``
+    and ``towers.1.2.bias`` give ``towers_x_2_bias``: code that picks parameters by name
+    (``n.endswith("bias")``, ``"emb" in n``) picks the flat tensor as it picked its members.
+    None when the names share nothing."""
+    words = [
+        [w for w in _NAME_PARTS.split(_DYNAMO_PREFIX.sub("", n.removeprefix(OWNER_ATTR + ".")))]
+        for n in names
+    ]
+    words = [[w for w in ws if w] for ws in words]
+    if not words or not all(words):
+        return None
+    head: list[str] = []
+    for parts in zip(*words):
+        if len(set(parts)) > 1:
+            break
+        head.append(parts[0])
+    shortest = min(len(ws) for ws in words)
+    tail: list[str] = []
+    for i in range(1, shortest - len(head) + 1):
+        parts = {ws[-i] for ws in words}
+        if len(parts) > 1:
+            break
+        tail.insert(0, parts.pop())
+    if not head and not tail:
+        return None
+    middle = ["x"] if len(head) + len(tail) < max(len(ws) for ws in words) else []
+    name = "_".join(head + middle + tail)
+    return name if name[0].isalpha() else f"p_{name}"
 
 
 class FusedParameters(nn.Module):
@@ -637,7 +687,7 @@ class FusedParameters(nn.Module):
             flat = getattr(self, name)
             copied = memo.get(id(flat))
             if not isinstance(copied, torch.Tensor):
-                out.add(how, copies)  # type: ignore[arg-type]
+                out.add(how, copies, name=name)  # type: ignore[arg-type]
                 getattr(out, name).requires_grad_(flat.requires_grad)
                 memo[id(flat)] = getattr(out, name)
             elif (copied.shape, copied.dtype) == (flat.shape, flat.dtype):
@@ -712,10 +762,13 @@ class FusedParameters(nn.Module):
 
         A fused member's gradient lives in its flat parameter's ``.grad`` (the leaf the
         optimizer holds); this returns the member's slice of it, as a view, so per-parameter
-        code (clipping, logging, tests) keeps the original names and shapes.
+        code (clipping, logging, tests) keeps the original names and shapes. A sparse gradient
+        (tables with ``sparse=True``) has no views of its rows: its members' parts are sparse
+        copies, so writing into them does not reach the flat gradient.
         """
         where = self.locate()
         out: dict[str, torch.Tensor | None] = {}
+        coalesced: dict[str, torch.Tensor] = {}  # each sparse flat gradient, coalesced once
         for name, p in model.named_parameters():
             loc = where.get(id(p))
             if loc is None:
@@ -723,11 +776,20 @@ class FusedParameters(nn.Module):
                 continue
             flat, how, m = loc
             g = getattr(self, flat).grad
+            if g is not None and g.is_sparse:
+                g = coalesced.setdefault(flat, g.coalesce())
+                out[name] = _sparse_slot(g, _slot(how, m))
+                continue
             out[name] = None if g is None else _member_slice(g, how, m)
         return out
 
     def views(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """Each laid-out parameter of ``model`` by name, as a view of its flat parameter."""
+        """Each laid-out parameter of ``model`` by name, as a view of its flat parameter.
+
+        Where many members of a flat parameter are read, one ``split`` / ``unbind`` of it
+        makes their views (its backward is one ``cat`` / ``stack``, see :func:`_split_whole`).
+        Autograd forbids writing such views in place, so a model with hooks (which may clamp
+        a weight) or ``max_norm`` layers gets one ``narrow`` / ``select`` per member."""
         where = self.locate()
         held = [
             (name, where[id(p)])
@@ -738,10 +800,11 @@ class FusedParameters(nn.Module):
         for _, (flat, _, _) in held:
             counts[flat] = counts.get(flat, 0) + 1
         pieces: dict[str, Sequence[torch.Tensor]] = {}
-        for flat, n in counts.items():
-            how, members = self._members[flat]
-            if _split_whole(len(members), n):
-                pieces[flat] = _split(getattr(self, flat), how, _rows(members))
+        if not _writes_own(model):
+            for flat, n in counts.items():
+                how, members = self._members[flat]
+                if _split_whole(len(members), n):
+                    pieces[flat] = _split(getattr(self, flat), how, _rows(members))
         out: dict[str, torch.Tensor] = {}
         for name, (flat, how, m) in held:
             split = pieces.get(flat)
@@ -758,12 +821,20 @@ class FusedParameters(nn.Module):
     def lookup(self, how: str, tensors: Sequence[torch.Tensor]) -> str | None:
         return self._by_ids.get((how, tuple(id(t) for t in tensors)))
 
-    def add(self, how: str, tensors: Sequence[torch.Tensor]) -> str:
-        """Lay ``tensors`` out in one new flat tensor (``how`` is "stack" or "cat")."""
+    def add(
+        self,
+        how: str,
+        tensors: Sequence[torch.Tensor],
+        names: Sequence[str] | None = None,
+        name: str | None = None,
+    ) -> str:
+        """Lay ``tensors`` out in one new flat tensor (``how`` is "stack" or "cat"), named
+        ``name``, or after the members' ``names`` (see ``flat_name``), or ``how`` and a count."""
         existing = self.lookup(how, tensors)
         if existing is not None:
             return existing
-        name = f"{how}{len(self._members)}"
+        if name is None:
+            name = self._free_name(flat_name(names) if names else None, how)
         # normal tensors even under torch.inference_mode(): the model trains on them afterwards
         with torch.no_grad(), torch.inference_mode(False):
             data = torch.stack(list(tensors)) if how == "stack" else torch.cat(list(tensors))
@@ -771,6 +842,15 @@ class FusedParameters(nn.Module):
         if all(isinstance(t, nn.Parameter) for t in tensors):
             data = nn.Parameter(data, requires_grad=tensors[0].requires_grad)
         self._install(name, how, data, tensors)
+        return name
+
+    def _free_name(self, wanted: str | None, how: str) -> str:
+        """``wanted`` if no attribute has it yet (else with a count), or ``how`` and a count."""
+        base = wanted or how
+        name = base if wanted else f"{how}{len(self._members)}"
+        count = 1
+        while name in self._members or hasattr(self, name):
+            name, count = f"{base}{count}", count + 1
         return name
 
     def _install(
@@ -785,7 +865,7 @@ class FusedParameters(nn.Module):
         members, offset = [], 0
         for i, t in enumerate(tensors):
             members.append(_Member(t, i, offset))
-            offset += t.shape[0] if t.dim() else 1
+            offset += int(t.shape[0]) if t.dim() else 1
         self._members[name] = (how, members)
         self._by_ids[(how, tuple(id(t) for t in tensors))] = name
         self._index = None
@@ -874,6 +954,7 @@ class ParamStore:
         self.owner = owner
         # Attribute path -> tensor. Attributes are added while rules run, never reassigned.
         self._tensors: dict[str, torch.Tensor] = {}
+        self._names: dict[int, str] | None = None  # see names_of()
 
     def _owned_tensor(self, node: fx.Node) -> torch.Tensor | None:
         if node.op != "get_attr":
@@ -928,6 +1009,17 @@ class ParamStore:
         self._tensors[target] = obj
         return obj
 
+    def names_of(self, ts: Sequence[torch.Tensor]) -> list[str] | None:
+        """The graph's attribute names of ``ts`` (None when one has none)."""
+        if self._names is None or any(id(t) not in self._names for t in ts):
+            self._names = {}  # rules add flat tensors: read again when one is not known
+            for name, t in self.gm.named_parameters(remove_duplicate=False):
+                self._names.setdefault(id(t), name)
+            for name, t in self.gm.named_buffers(remove_duplicate=False):
+                self._names.setdefault(id(t), name)
+        names = [self._names.get(id(t)) for t in ts]
+        return None if any(n is None for n in names) else names  # type: ignore[return-value]
+
     def is_laid_out(self, ts: Sequence[torch.Tensor | None], how: str) -> bool:
         """Are these exact tensors already one flat tensor laid out ``how``?"""
         if self.owner is None or any(t is None for t in ts):
@@ -944,7 +1036,7 @@ class ParamStore:
             return None
         name = self.owner.lookup(how, ts)  # type: ignore[arg-type]
         if name is None and self.can_lay_out(ts):  # type: ignore[arg-type]
-            name = self.owner.add(how, ts)  # type: ignore[arg-type]
+            name = self.owner.add(how, ts, self.names_of(ts))  # type: ignore[arg-type]
         if name is None:
             return None
         if not hasattr(self.gm, OWNER_ATTR):
@@ -973,11 +1065,16 @@ class ParamStore:
             return 0
         graph = self.gm.graph
         counts: dict[str, int] = {}
-        for _, held in reads:
+        written: set[str] = set()  # flat tensors a read may write in place: no split of them
+        for node, held in reads:
+            write = self._may_write(node)
             for _, loc in held:
                 counts[loc[0]] = counts.get(loc[0], 0) + 1
+                if write:
+                    written.add(loc[0])
+        members = {n: len(self.owner._members[n][1]) for n in counts}
         views = _FlatViews(
-            self, {n: _split_whole(len(self.owner._members[n][1]), c) for n, c in counts.items()}
+            self, {n: n not in written and _split_whole(members[n], c) for n, c in counts.items()}
         )
         for node, held in reads:
             with graph.inserting_before(node):
@@ -1019,6 +1116,15 @@ class ParamStore:
                 reads.append((node, [("", where[id(t)])]))
         return reads
 
+    def _may_write(self, node: fx.Node) -> bool:
+        """Might the read ``node``'s member be written in place while the graph runs (a hook
+        clamping a weight, ``max_norm`` renormalizing a table)? Such a member must be a
+        single-output view (``narrow`` / ``select``): autograd forbids writing the outputs of
+        one ``split`` / ``unbind`` in place, or reading any of them after such a write."""
+        if node.op != "call_module":
+            return written_in_place(node) or any(_renorms(u, node) for u in node.users)
+        return any(_may_write_own(m) for m in self.gm.get_submodule(node.target).modules())
+
     def _call_with(self, node: fx.Node, params: dict[str, fx.Node]) -> fx.Node:
         """``node``'s module called with ``params`` (views) in place of its own: the layer's
         functional op for a plain ``nn.Linear`` / ``nn.LayerNorm`` without hooks (the common
@@ -1051,6 +1157,40 @@ class ParamStore:
         return self.gm.graph.get_attr(f"{OWNER_ATTR}.{name}")
 
 
+_RENORMING = (F.embedding, F.embedding_bag)  # with ``max_norm``, they renormalize rows in place
+
+
+def _renorms(user: fx.Node, weight: fx.Node) -> bool:
+    """Does ``user`` renormalize ``weight`` in place (``F.embedding(ids, w, max_norm=1.0)``)?"""
+    if user.op != "call_function" or user.target not in _RENORMING:
+        return False
+    args = dict(zip(("input", "weight", "_", "max_norm"), user.args)) | dict(user.kwargs)
+    return args.get("weight") is weight and args.get("max_norm") is not None
+
+
+def _may_write_own(mod: nn.Module) -> bool:
+    """Might calling ``mod`` write its own parameters in place: hooks, ``max_norm``, or a
+    ``forward`` outside ``torch.nn`` (any code)?"""
+    return (
+        has_hooks(mod)
+        or getattr(mod, "max_norm", None) is not None
+        or not type(mod).__module__.startswith("torch.nn.")
+    )
+
+
+def _writes_own(model: nn.Module) -> bool:
+    """Might running ``model`` as written write its parameters in place, as far as can be
+    seen without running it: module hooks (its own or global ones) or ``max_norm`` layers."""
+    from torch.nn.modules import module as nn_module
+
+    if any(getattr(nn_module, f"_global{h}", None) for h in _HOOK_DICTS):
+        return True
+    return any(has_hooks(m) or getattr(m, "max_norm", None) is not None for m in model.modules())
+
+
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
 def _split_whole(members: int, reads: int) -> bool:
     """Read ``reads`` of a flat tensor's ``members`` through ONE split of it (``unbind`` /
     ``split``) rather than one view each? Each view's backward (``select``, ``narrow``) is a zero-filled
@@ -1069,7 +1209,8 @@ def _split(flat: torch.Tensor, how: str, rows: list[int]) -> Sequence[torch.Tens
 
 
 def _rows(members: list[_Member]) -> list[int]:
-    return [m.tensor.shape[0] for m in members] if members[0].tensor.dim() else []
+    # ``int``: under ``torch.jit.trace`` a size is a traced tensor, which graph code would bake in
+    return [int(m.tensor.shape[0]) for m in members] if members[0].tensor.dim() else []
 
 
 class _FlatViews:

@@ -225,3 +225,116 @@ def test_other_threads_run_modules_while_a_graph_is_traced() -> None:
     model.during_trace = None
     torch.testing.assert_close(seen[1], model.towers[0][0](torch.ones(2, 32)))
     assert _patched() == []
+
+
+def test_a_process_forked_during_a_build_builds_its_own_graphs() -> None:
+    """A DataLoader worker forked while another thread is inside ``fxrec.optimize`` inherits
+    ``capture_lock`` and dynamo's compile lock held, and fx's "tracing" flag set, by a
+    thread that does not exist in it: its first call on a new input size waited forever."""
+    from torch._dynamo.convert_frame import compile_lock
+
+    torch.manual_seed(0)
+    served = Branchy()
+    plain = copy.deepcopy(served)
+    opt = fxrec.optimize(served, (torch.randn(16, 32),))
+    opt.eval()
+    plain.eval()
+    x = torch.randn(5, 32)  # a new signature in a new mode: the child builds
+    inside, release = threading.Event(), threading.Event()
+
+    def during_trace() -> None:
+        with compile_lock:  # as a dynamo compile in progress on this thread
+            inside.set()
+            release.wait(120)
+
+    building = Towers()
+    building.during_trace = during_trace
+    builder = threading.Thread(target=fxrec.optimize, args=(building, (torch.randn(8, 32),)))
+    builder.start()
+    try:
+        assert inside.wait(120)
+        got = _in_forked_child(lambda: opt(x).tolist())
+    finally:
+        release.set()
+        builder.join(120)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.tensor(got), plain(x))
+
+
+def _in_forked_child(fn: Callable[[], Any], timeout: float = 90) -> Any:
+    """``fn()`` run in a forked process, under no_grad; its exception's text if it raises."""
+    import multiprocessing
+    import queue
+
+    ctx = multiprocessing.get_context("fork")
+    results = ctx.Queue()
+
+    def child() -> None:
+        torch.set_num_threads(1)  # as DataLoader workers: OpenMP's pool does not survive fork
+        try:
+            with torch.no_grad():
+                results.put(fn())
+        except BaseException as exc:
+            results.put(f"{type(exc).__name__}: {exc}")
+
+    proc = ctx.Process(target=child, daemon=True)
+    proc.start()
+    try:
+        got = results.get(timeout=timeout)
+    except queue.Empty:
+        pytest.fail(f"the forked process gave no result in {timeout} s (waiting on a lock?)")
+    finally:
+        proc.join(5)
+        if proc.is_alive():
+            proc.kill()
+    assert not isinstance(got, str), got
+    return got
+
+
+class Breaks(Towers):
+    """A data-dependent branch: dynamo captures two graphs, and every call goes through its
+    guards (no direct call)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        if out.sum().item() > -1e9:
+            out = out * 2
+        return out
+
+
+def test_calls_through_dynamo_while_another_thread_traces() -> None:
+    """Dynamo refuses to enter a compiled function while fx's (process-wide) tracing flag is
+    set: a warmed-up model served through dynamo raised while another thread's
+    ``fxrec.optimize`` traced. Such calls now wait for that build."""
+    torch.manual_seed(0)
+    served = Breaks().eval()
+    plain = copy.deepcopy(served)
+    opt = fxrec.optimize(served, (torch.randn(16, 32),))
+    assert any("through dynamo's guards" in n for n in opt.fxrec_report.notes)
+    x = torch.randn(16, 32)
+    with torch.no_grad():
+        for _ in range(2):
+            opt(x)  # warmed up: its graphs built and compiled
+    got: list[Any] = []
+
+    def serve() -> None:
+        try:
+            with torch.no_grad():
+                got.append(opt(x))
+        except BaseException as exc:
+            got.append(exc)
+
+    def during_trace() -> None:  # the call is made while this trace runs
+        t = threading.Thread(target=serve)
+        t.start()
+        t.join(1.0)  # a call that waits for the build finishes after it
+        servers.append(t)
+
+    servers: list[threading.Thread] = []
+    building = Towers()
+    building.during_trace = during_trace
+    fxrec.optimize(building, (torch.randn(8, 32),))
+    servers[0].join(120)
+    assert len(got) == 1 and not isinstance(got[0], BaseException), got
+    with torch.no_grad():
+        torch.testing.assert_close(got[0], plain(x))
