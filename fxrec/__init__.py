@@ -16,6 +16,8 @@ _EXPORTS = {
     "optimize": "fxrec.graph.module",
     "OptimizedModule": "fxrec.graph.module",
     "param_groups": "fxrec.graph.param_groups",
+    "optim_state_dict": "fxrec.graph.optim_state",
+    "load_optim_state_dict": "fxrec.graph.optim_state",
     "export": "fxrec.graph.exporting",
     "Report": "fxrec.graph.report",
     "count_kernels": "fxrec.measure",

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from fxrec.graph.optim_state import remember_order, track
+
 __all__ = ["param_groups"]
 
 
@@ -23,9 +25,12 @@ def param_groups(opt: Any, groups: Iterable[Any]) -> list[dict[str, Any]]:
     built on the model's parameters) with each laid-out member replaced by the flat
     parameter of ``opt`` (an :class:`~fxrec.OptimizedModule`) that holds it.
 
-    A flat parameter goes to the group of its members; members of one flat parameter in
-    groups with different options, or some of them in no group (left out of the optimizer),
-    cannot be honoured by one tensor, and raise with what to do.
+    The groups come back one-to-one (same count and order), so per-group schedules
+    (``LambdaLR`` with one lambda per group) and options changed later by group index reach
+    the same parameters as on the model. A flat parameter goes to the group of its members;
+    members of one flat parameter in different groups (even with equal options: a schedule
+    may change them apart), or some of them in no group (left out of the optimizer), cannot
+    be honoured by one tensor, and raise with what to do.
 
     Example::
 
@@ -41,6 +46,7 @@ def param_groups(opt: Any, groups: Iterable[Any]) -> list[dict[str, Any]]:
     if not isinstance(listed[0], Mapping):
         listed = [{"params": listed}]
     fused = opt.fxrec_fused
+    track(opt)  # its optimizer's state_dict() records the layouts (see optim_state)
     where = fused.locate()
     names = {id(p): n for n, p in opt.model.named_parameters(remove_duplicate=False)}
     out: list[dict[str, Any]] = []
@@ -57,17 +63,13 @@ def param_groups(opt: Any, groups: Iterable[Any]) -> list[dict[str, Any]]:
                 mine.append(p)
                 continue
             flat = hit[0]
-            if flat not in group_of:  # the flat parameter goes to its first member's group
+            if flat not in group_of:  # the flat parameter goes to its members' group
                 group_of[flat] = gi
                 mine.append(getattr(fused, flat))
-            elif _options(listed[group_of[flat]]) != _options(group):
-                raise ValueError(
-                    f"{names.get(id(p), 'a parameter')!r} is in a group with other options "
-                    f"than other parameters laid out with it in fxrec_fused.{flat}, which "
-                    "one optimizer group holds. Give them one group, or optimize with "
-                    "keep_params=True (nothing laid out)."
-                )
+            elif group_of[flat] != gi:
+                raise ValueError(_split_message(names, p, where, flat, listed, group_of[flat], gi))
         out.append({**group, "params": mine})
+        remember_order(opt, out[-1], params)
     for flat in group_of:
         left = [m.tensor for f, _, m in where.values() if f == flat and id(m.tensor) not in seen]
         if left:
@@ -78,6 +80,32 @@ def param_groups(opt: Any, groups: Iterable[Any]) -> list[dict[str, Any]]:
                 "before fxrec.optimize."
             )
     return out
+
+
+def _split_message(
+    names: Mapping[int, str],
+    p: torch.Tensor,
+    where: Mapping[int, Any],
+    flat: str,
+    listed: list[Any],
+    first: int,
+    other: int,
+) -> str:
+    """Why a flat parameter whose members sit in two groups is refused, and what to do."""
+    held = [names.get(i, "?") for i, loc in where.items() if loc[0] == flat]
+    shown = ", ".join(held[:4]) + (", ..." if len(held) > 4 else "")
+    why = ""
+    if _options(listed[first]) == _options(listed[other]):
+        why = (
+            " (their options are equal now, but a per-group schedule or a later change by "
+            f"group index would give group {other}'s members group {first}'s)"
+        )
+    return (
+        f"{names.get(id(p), 'a parameter')!r} is in group {other}, but parameters laid out "
+        f"with it in fxrec_fused.{flat} ({shown}) are in group {first}: one tensor sits in "
+        f"one optimizer group{why}. Put them in one group, or optimize with "
+        "fxrec.optimize(..., keep_params=True), which keeps each parameter its own tensor."
+    )
 
 
 def _options(group: Mapping[str, Any]) -> dict[str, Any]:

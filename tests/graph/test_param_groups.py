@@ -68,14 +68,56 @@ def test_groups_one_flat_parameter_cannot_honour_raise() -> None:
     assert opt.fxrec_fused.view_of(t0.weight) is not None
     others = [p for p in model.parameters() if p is not t0.weight and p is not t1.weight]
     split = [{"params": [t0.weight, *others]}, {"params": [t1.weight], "lr": 0.5}]
-    with pytest.raises(ValueError, match="other options"):
+    with pytest.raises(ValueError, match="are in group 0: one tensor sits in one"):
         fxrec.param_groups(opt, split)
     left_out = [p for p in model.parameters() if p is not t1.weight]
     with pytest.raises(ValueError, match="in no group"):
         fxrec.param_groups(opt, left_out)
     with pytest.raises(ValueError, match="no parameters"):
         fxrec.param_groups(opt, [])
-    # the same options in two groups are one group's worth for the flat parameter
+    # equal options too: a schedule per group would move them apart
     same = [{"params": [t0.weight, *others]}, {"params": [t1.weight]}]
-    got = fxrec.param_groups(opt, same)
-    assert sum(len(g["params"]) for g in got) == len(list(opt.parameters()))
+    with pytest.raises(ValueError, match=r"one optimizer group.*keep_params=True"):
+        fxrec.param_groups(opt, same)
+
+
+def _per_tower(model: nn.Module) -> list[dict]:
+    return [{"params": list(t.parameters())} for t in model.towers]
+
+
+def test_groups_come_back_one_to_one() -> None:
+    model = Towers()
+    opt = fxrec.optimize(model, (torch.randn(32, 16),))
+    got = fxrec.param_groups(opt, _groups(model))
+    assert [len(g["params"]) > 0 for g in got] == [True, True]
+    assert [g["weight_decay"] for g in got] == [0.5, 0.0]
+    with pytest.raises(ValueError, match=r"group 1, but .* are in group 0"):
+        fxrec.param_groups(opt, _per_tower(model))
+
+
+def test_a_schedule_per_group_trains_each_group_as_the_model() -> None:
+    """One group per tower, a ``LambdaLR`` lambda each (the last tower frozen by lr 0): with
+    the towers' layers laid out across towers, only keep_params can honour it."""
+    torch.manual_seed(0)
+    model = Towers()
+    ref = copy.deepcopy(model)
+    start = copy.deepcopy(model.state_dict())
+    opt = fxrec.optimize(model, (torch.randn(32, 16),), keep_params=True)
+    lams = [lambda e: 1.0, lambda e: 0.5**e, lambda e: 2.0, lambda e: 0.0]
+    pairs = []
+    for m, groups in ((ref, _per_tower(ref)), (opt, fxrec.param_groups(opt, _per_tower(model)))):
+        o = torch.optim.SGD(groups, lr=0.1)
+        assert [len(g["params"]) for g in o.param_groups] == [6, 6, 6, 6]
+        pairs.append((m, o, torch.optim.lr_scheduler.LambdaLR(o, lams)))
+    for _ in range(4):
+        x = torch.randn(32, 16)
+        for m, o, sched in pairs:
+            o.zero_grad()
+            m(x).pow(2).mean().backward()
+            o.step()
+            sched.step()
+    want = ref.state_dict()
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, want[k], rtol=1e-5, atol=1e-6, msg=k)
+        if k.startswith("towers.3."):
+            assert torch.equal(v, start[k]), k  # lr 0: untouched
