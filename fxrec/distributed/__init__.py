@@ -8,6 +8,7 @@ travel by all-to-all, each written as a request and a wait so that the overlap p
 
 from __future__ import annotations
 
+from fxrec.distributed.clip import clip_grad_norm_
 from fxrec.distributed.comm import CommError, CommStats, MissingBatch, init_distributed, stats
 from fxrec.distributed.ddp import ignore_sharded_in_ddp, rank_local_names
 from fxrec.distributed.plan import ShardingPlan, TableSpec, greedy_plan
@@ -20,6 +21,7 @@ __all__ = [
     "ShardedEmbeddingBagCollection",
     "ShardingPlan",
     "TableSpec",
+    "clip_grad_norm_",
     "greedy_plan",
     "ignore_sharded_in_ddp",
     "init_distributed",

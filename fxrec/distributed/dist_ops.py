@@ -270,7 +270,8 @@ def request_counts(kjt: KeyedJaggedTensor, layout: IdsLayout, rows: Any = None) 
 
 @torch.compiler.disable  # run, not traced: dynamo switches validation off while it traces
 def _check_input(kjt: KeyedJaggedTensor, layout: IdsLayout) -> int:
-    """Refuse, before any exchange, what the unsharded collection refuses (non-integer ids,
+    """Refuse, before any exchange, an input the collection cannot take (features it reads
+    missing, a variable batch per key) or the unsharded collection refuses (non-integer ids,
     ids outside their tables, a weighted collection's input without weights); 1 if this
     rank's weights need a grad.
 
@@ -279,6 +280,8 @@ def _check_input(kjt: KeyedJaggedTensor, layout: IdsLayout) -> int:
     by its owner's lookup would fail that rank mid-exchange, and its peers would wait for
     the group's timeout instead of hearing at once that this rank has no batch.
     """
+    # The features by their own names (``send_keys`` name a row-wise feature's shards).
+    key_index(kjt, [f for f, _, _ in layout.rows] if layout.rows else layout.send_keys)
     values, weights = kjt.values(), kjt.weights_or_none()
     if values.is_floating_point() or values.is_complex() or values.dtype == torch.bool:
         raise ValueError(

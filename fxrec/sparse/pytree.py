@@ -3,10 +3,12 @@
 
 The spec (context) holds only static metadata (keys, a variable batch's per-key strides,
 KeyedTensor widths, whether jagged values are weighted), never per-batch figures, so a new
-batch reuses a compiled graph. Offsets are not leaves: they are derived from lengths, and
-keeping them out keeps the spec stable. Weights are a leaf even when absent (``None``), so the
-context says which: an exported program called with the other kind raises a clear error
-instead of failing on (or silently dropping) the weights.
+batch reuses a compiled graph. The one exception is a KJT's stride where its lengths cannot
+give it back (no keys; a variable batch's stride above its largest per-key batch). Offsets
+are not leaves: they are derived from lengths, and keeping them out keeps the spec stable.
+Weights are a leaf even when absent (``None``), so the context says which: an exported
+program called with the other kind raises a clear error instead of failing on (or silently
+dropping) the weights.
 
 ``torch.export.save``/``load`` write each context as JSON; the dumpable-context functions here
 bring back the exact tuples, because a loaded program matches inputs against its spec by
@@ -54,12 +56,25 @@ def _jt_unflatten(leaves: Any, ctx: str) -> JaggedTensor:
     return JaggedTensor._make(values, weights, lengths, None)
 
 
-_KJTContext = tuple[tuple[str, ...], tuple[int, ...] | None, str]
+# keys, stride per key (variable batch), weighted or not, the stride where it is not derived
+_KJTContext = tuple[tuple[str, ...], tuple[int, ...] | None, str, int | None]
 
 
 def _kjt_ctx(kjt: KeyedJaggedTensor) -> _KJTContext:
     spk = kjt._stride_per_key
-    return tuple(kjt.keys()), None if spk is None else tuple(spk), _weighted(kjt.weights_or_none())
+    keys, weights = tuple(kjt.keys()), _weighted(kjt.weights_or_none())
+    return keys, None if spk is None else tuple(spk), weights, _kept_stride(kjt)
+
+
+def _kept_stride(kjt: KeyedJaggedTensor) -> int | None:
+    """The stride, where the lengths and per-key strides would not give it back on unflatten
+    (a KJT with no keys, a variable batch's explicit stride); else None (a per-batch figure)."""
+    spk = kjt._stride_per_key
+    if kjt.keys() and spk is None:
+        return None  # lengths.numel() // len(keys)
+    derived = 0 if spk is None else max(spk, default=0)
+    stride = kjt.stride()
+    return None if stride == derived else stride
 
 
 def _kjt_flatten(kjt: KeyedJaggedTensor) -> tuple[list[Any], Any]:
@@ -74,9 +89,14 @@ def _kjt_flatten_with_keys(kjt: KeyedJaggedTensor) -> tuple[list[tuple[Any, Any]
 
 def _kjt_unflatten(leaves: Any, ctx: Any) -> KeyedJaggedTensor:
     values, weights, lengths = leaves
-    keys, spk, _ = ctx
+    keys, spk, _, stride = ctx
     return KeyedJaggedTensor._make(
-        list(keys), values, weights, lengths, stride_per_key=None if spk is None else list(spk)
+        list(keys),
+        values,
+        weights,
+        lengths,
+        stride=stride,
+        stride_per_key=None if spk is None else list(spk),
     )
 
 
@@ -120,16 +140,19 @@ def _jt_load(dumped: str) -> str:
 
 
 def _kjt_dump(ctx: _KJTContext) -> str:
-    keys, spk, weights = ctx
+    keys, spk, weights, stride = ctx
     spk_list = None if spk is None else list(spk)
-    return json.dumps({"keys": list(keys), "stride_per_key": spk_list, "weights": weights})
+    d = {"keys": list(keys), "stride_per_key": spk_list, "weights": weights, "stride": stride}
+    return json.dumps(d)
 
 
 def _kjt_load(dumped: str) -> _KJTContext:
     d = json.loads(dumped)
     spk = d["stride_per_key"]
     weights = _weights_of(d.get("weights"), dumped)
-    return tuple(d["keys"]), None if spk is None else tuple(int(s) for s in spk), weights
+    stride = d.get("stride")  # absent in older files: always derived then
+    spk_tuple = None if spk is None else tuple(int(s) for s in spk)
+    return tuple(d["keys"]), spk_tuple, weights, None if stride is None else int(stride)
 
 
 def _kt_dump(ctx: tuple[tuple[str, ...], tuple[int, ...], int]) -> str:
@@ -165,13 +188,14 @@ def _spec_leaves(cls: type, flatten: Any) -> Any:
 
 
 def _describe(ctx: Any) -> str:
-    """A spec context in words (``(keys, stride_per_key, weighted)`` for a KJT)."""
+    """A spec context in words (``(keys, stride_per_key, weighted, stride)`` for a KJT)."""
     if isinstance(ctx, str):  # JaggedTensor
         return f"{ctx} values"
-    if len(ctx) == 3 and isinstance(ctx[2], str):  # KeyedJaggedTensor
-        keys, spk, weights = ctx
+    if len(ctx) == 4:  # KeyedJaggedTensor
+        keys, spk, weights, stride = ctx
         per_key = "" if spk is None else f", stride per key {list(spk)}"
-        return f"keys {list(keys)}{per_key}, {weights} values"
+        rows = "" if stride is None else f", stride {stride}"
+        return f"keys {list(keys)}{per_key}{rows}, {weights} values"
     keys, lpk, key_dim = ctx  # KeyedTensor
     return f"keys {list(keys)}, lengths per key {list(lpk)}, key dim {key_dim}"
 

@@ -18,12 +18,17 @@ A loop that stops a pass early and goes on with a new iterator calls
 :meth:`~TrainPipelineBase.end_pass` first (the batches read ahead are dropped); the background
 thread calls ``next()`` only during ``progress()``, so a DataLoader with persistent workers
 may reset its iterator between calls, and the pipeline starts over when it sees the reset.
+A ``run()`` between ``progress()`` calls sets their pass aside, with the batches read ahead,
+and the next ``progress()`` on its iterator goes on where it stopped.
 With a sharded collection, :class:`TrainPipelineSparseDist` keeps the ranks in step when
 only one rank loses a batch (its loader fails or its data ends): the other ranks learn it
 in the id-count exchange, or in a roll call, and raise :class:`PipelineError` for that batch
 too (and stop with a rank whose data ended). No call waits
 forever: queue operations poll a stop flag, and collectives are bounded by the process
-group's timeout.
+group's timeout. A collective that fails (a peer died or hung: a
+:class:`~fxrec.distributed.CommError` other than ``MissingBatch``) leaves the group unusable:
+its batch's :class:`PipelineError` says so, and every later ``progress()`` raises
+``CommError``, so that a loop skipping failed batches ends.
 """
 
 from __future__ import annotations
@@ -245,6 +250,17 @@ class TrainPipelineBase:
 
 _END = object()
 
+# What a pass of TrainPipelineSparseDist over one iterator holds (see its ``_set_aside``).
+_PASS_STATE = ("_source", "_thread", "_queue", "_halt", "_gate", "_copies", "_next", "_shift")
+
+
+@dataclass
+class _Parked:
+    """A pass over an iterator set aside by ``run()``, to resume where it stopped."""
+
+    state: dict[str, Any]  # the pipeline's attributes of that pass (``_PASS_STATE``)
+    index: int  # the pipeline's next batch index when it was set aside
+
 
 class _Gate:
     """Lets the reader call ``next()`` on its source only while a ``progress()`` call runs.
@@ -297,12 +313,13 @@ def _read(
     q: queue.Queue,
     source: Iterator[Any],
     index: int,
+    copies: dict[int, int],
     poll_s: float,
     threads: int | None,
 ) -> None:
     """The reader thread of :class:`TrainPipelineSparseDist`: read, prepare and copy batches
     from ``source`` (the first one is batch ``index``) into ``q``, calling ``next()`` only
-    while ``gate`` is open.
+    while ``gate`` is open, and note each batch's host-to-device copies in ``copies``.
 
     It holds the pipeline weakly, and only while preparing a batch: a pipeline dropped
     without ``close()`` is collected, which stops it.
@@ -326,7 +343,7 @@ def _read(
                 owner = pipeline()
                 if owner is None:
                     return
-                entry = owner._entry(item, index)
+                entry = owner._entry(item, index, copies)
                 del owner
             _put(stopped, q, entry, poll_s)
             index += 1
@@ -400,6 +417,8 @@ class TrainPipelineSparseDist(TrainPipelineBase):
         self._halt = threading.Event()  # the current reader stops (each reader has its own)
         self._gate = _Gate()
         self._copies: dict[int, int] = {}  # batches read ahead: their host-to-device copies
+        self._shift = 0  # added to the reader's batch indices (batches other passes drew)
+        self._parked: _Parked | None = None  # a pass run() interrupted
         self._thread: threading.Thread | None = None
         self._source: Iterator[Any] | None = None
         self._exhausted = False  # the source ended: progress() accepts a new iterator
@@ -411,12 +430,16 @@ class TrainPipelineSparseDist(TrainPipelineBase):
         self._roll_call = RollCall.of(self._input_dist.modules)
         self._announced = False  # the next batch's presence went out in its id-count exchange
         self._peer_ended = False  # a peer's data ended: this rank stops too
+        self._broken: PipelineError | None = None  # a collective failed: no batch can train
         # A pipeline dropped without close(): its reader (which holds it weakly) stops.
         weakref.finalize(self, self._stop.set)
 
     # -- the producer thread -------------------------------------------------------------------
-    def _entry(self, item: Any, index: int) -> tuple[int, Any, BaseException | None, str]:
-        """Batch ``index`` read from the loader, prepared and copied: a queue entry."""
+    def _entry(
+        self, item: Any, index: int, copies_of: dict[int, int]
+    ) -> tuple[int, Any, BaseException | None, str]:
+        """Batch ``index`` read from the loader, prepared and copied: a queue entry (its copies
+        noted in ``copies_of``, its reader's, which a pass set aside keeps)."""
         try:
             if self._stream is not None:
                 with torch.cuda.stream(self._stream):
@@ -427,7 +450,7 @@ class TrainPipelineSparseDist(TrainPipelineBase):
             else:
                 payload, copies = self._prepare_counted(item, non_blocking=False)
             # counted when the batch is trained: batches read ahead and dropped are not
-            self._copies[index] = copies
+            copies_of[index] = copies
             return index, payload, None, ""
         except Exception as exc:
             return index, None, exc, "preparing and copying it"
@@ -441,10 +464,11 @@ class TrainPipelineSparseDist(TrainPipelineBase):
         closed, halt = self._stop, threading.Event()
         self._halt, self._gate = halt, _Gate()
         self._queue = queue.Queue(maxsize=self.prefetch)
+        self._copies, self._shift = {}, 0
         args = (weakref.ref(self), lambda: closed.is_set() or halt.is_set(), self._gate)
         self._thread = threading.Thread(
             target=_read,
-            args=(*args, self._queue, source, index, self.poll_s, threads),
+            args=(*args, self._queue, source, index, self._copies, self.poll_s, threads),
             name="fxrec-pipeline-copy",
             daemon=True,
         )
@@ -495,6 +519,7 @@ class TrainPipelineSparseDist(TrainPipelineBase):
             return None
         index, payload, exc, stage = entry
         self.stats.copies += self._copies.pop(index, 0)
+        index += self._shift  # batches drawn by other passes since this reader numbered it
         if exc is None and self._stream is not None:
             batch, event = payload
             current = torch.cuda.current_stream(self.device)
@@ -506,15 +531,27 @@ class TrainPipelineSparseDist(TrainPipelineBase):
 
     # -- public API ----------------------------------------------------------------------------
     def run(self, batches: Iterable[Any], max_steps: int | None = None) -> list[float]:
+        """Train on ``batches`` (at most ``max_steps``); the losses. Stops at the first error.
+
+        Each call starts ``batches`` over (``iter(batches)``); pass an iterator to go on
+        where the last call stopped. A pass left under way on another iterator (by
+        ``progress()`` or ``run()``) is set aside with the batches it read ahead, and resumes
+        where it stopped when its iterator comes back, as with the base pipeline. One pass is
+        kept aside: setting aside a second ends the first (its batches read ahead are
+        dropped, as by :meth:`end_pass`).
+        """
         self._check_open()
         if isinstance(batches, Iterator):  # go on where the last call stopped, if it is ours
-            if self._source is not None and batches is not self._source and not self._exhausted:
-                self._start(batches)  # another iterator: batches read ahead are dropped
+            if batches is not self._source and not self._is_parked(batches):
+                self._set_aside()  # another iterator: the pass under way resumes later
             return self._run(batches, max_steps)
-        # Starts over, as the base does. The reader stops first: a DataLoader with persistent
-        # workers resets, in iter(), the very iterator object the reader may still be reading.
-        self._stop_reader()
+        # Starts over, as the base does. A DataLoader with persistent workers resets, in
+        # iter(), the very iterator object a reader may be reading: readers only call next()
+        # inside progress(), and one whose iterator is reset stops before reading it again.
+        self._set_aside()
         it = iter(batches)
+        if self._is_parked(it):  # reset by iter(): the batches read ahead are stale
+            self._end_parked()
         self._start(it)
         try:
             return self._run(it, max_steps)
@@ -522,7 +559,48 @@ class TrainPipelineSparseDist(TrainPipelineBase):
             self._stop_reader()
             self._source = None
 
-    run.__doc__ = TrainPipelineBase.run.__doc__
+    def _is_parked(self, it: Iterator[Any]) -> bool:
+        return self._parked is not None and self._parked.state["_source"] is it
+
+    def _set_aside(self) -> None:
+        """Leave no pass under way: keep the current one (its reader and the batches it read
+        ahead) for a later call on its iterator; an ended one stops."""
+        if self._source is None or self._exhausted or self._peer_ended or self._thread is None:
+            self._stop_reader()
+            self._source = None
+            return
+        self._end_parked()
+        # Its next batch's ids were sent for the next step; a forward of another pass comes
+        # first, so they are dropped, and that batch's collections send them when it resumes.
+        self._input_dist.discard()
+        self._parked = _Parked({name: getattr(self, name) for name in _PASS_STATE}, self._index)
+        self._source = self._thread = self._next = None
+        self._copies, self._shift = {}, 0
+        self._queue, self._halt, self._gate = queue.Queue(self.prefetch), threading.Event(), _Gate()
+        self._announced = False
+
+    def _resume(self) -> None:
+        """Go on with the pass set aside where it stopped; the current one is set aside."""
+        parked, self._parked = self._parked, None
+        assert parked is not None
+        self._set_aside()
+        for name, value in parked.state.items():
+            setattr(self, name, value)
+        drawn = self._index - parked.index  # batches other passes drew meanwhile
+        self._shift += drawn
+        if self._next is not None:
+            self._next = (self._next[0] + drawn, *self._next[1:])
+        self._exhausted = self._peer_ended = False
+        self._announced = False  # its next batch is agreed on in a roll call
+
+    def _end_parked(self) -> None:
+        """Stop the pass set aside, if any; the batches it read ahead are dropped."""
+        parked, self._parked = self._parked, None
+        if parked is None:
+            return
+        logger.info("fxrec pipeline: a pass set aside ends; its batches read ahead are dropped")
+        parked.state["_halt"].set()
+        parked.state["_thread"].join(timeout=max(1.0, 20 * self.poll_s))
 
     def end_pass(self) -> None:
         """End the current pass over the data before its end: the batches read ahead are
@@ -537,9 +615,12 @@ class TrainPipelineSparseDist(TrainPipelineBase):
         self._check_open()
         self._stop_reader()
         self._source = None
+        self._end_parked()
 
     def progress(self, dataloader_iter: Iterator[Any]) -> torch.Tensor:
         self._check_open()
+        if dataloader_iter is not self._source and self._is_parked(dataloader_iter):
+            self._resume()  # the pass a run() interrupted
         if self._source is None or self._exhausted or self._was_reset(dataloader_iter):
             # The first iterator, or the next epoch's: a new one, or the same one reset (a
             # DataLoader with persistent workers returns the same iterator each epoch; one
@@ -572,6 +653,42 @@ class TrainPipelineSparseDist(TrainPipelineBase):
         return True
 
     def _progress(self) -> torch.Tensor:
+        if self._broken is not None:
+            raise self._broken_error()
+        try:
+            return self._progress_batch()
+        except PipelineError as err:
+            if _comm_failed(err.__cause__):
+                self._break(err)
+            raise
+
+    def _break(self, err: PipelineError) -> None:
+        """A collective failed (a peer died, hung or left): the process group is unusable, so
+        no later batch can be agreed on or exchanged; the reader stops."""
+        self._broken = err
+        try:
+            self._stop_reader()  # drops the exchanges in flight, which fail on the group too
+        except Exception as exc:
+            logger.debug("fxrec pipeline: dropping exchanges after the failure: %s", exc)
+        logger.warning("fxrec pipeline stopped after batch %d failed: %s", err.batch_index, err)
+
+    def _broken_error(self) -> RuntimeError:
+        """What every ``progress()`` raises once the pipeline stopped (not a PipelineError: a
+        loop that skips failed batches would call it forever)."""
+        from fxrec.distributed.comm import CommError
+
+        err = self._broken
+        assert err is not None
+        error = CommError(
+            f"this pipeline stopped at batch {err.batch_index}: the ranks could not complete a "
+            "collective there (a peer died, hung or left; the cause below says which), so "
+            "their process group is unusable and no later batch can train. close() the "
+            "pipeline and restart the job from its last checkpoint (torchrun --max-restarts)."
+        )
+        error.__cause__ = err
+        return error
+
+    def _progress_batch(self) -> torch.Tensor:
         if self._exhausted or self._peer_ended:
             self._exhausted = True
             raise StopIteration  # (without a roll call: the other ranks heard it once)
@@ -680,5 +797,6 @@ class TrainPipelineSparseDist(TrainPipelineBase):
                 )
         while not self._queue.empty():
             self._queue.get_nowait()
+        self._end_parked()
         self._input_dist.discard()
         self._input_dist.restore()

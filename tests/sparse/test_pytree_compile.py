@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import (
+    tree_flatten,
+    tree_map,
+    tree_structure,
+    tree_unflatten,
+    treespec_dumps,
+    treespec_loads,
+)
 
 import fxrec.sparse as S
 from fxrec.measure import count_kernels
@@ -31,6 +39,32 @@ def test_spec_ignores_per_batch_figures() -> None:
     b = KeyedJaggedTensor(["a", "b"], torch.arange(5), lengths=torch.tensor([1, 1, 2, 1]))
     a.offsets()  # a cached offset must not change the spec either
     assert tree_flatten(a)[1] == tree_flatten(b)[1]
+
+
+def _empty_kjt() -> KeyedJaggedTensor:
+    empty = torch.zeros(0, dtype=torch.long)
+    return KeyedJaggedTensor([], empty, lengths=empty, stride=4)
+
+
+def _explicit_stride_vbe_kjt() -> KeyedJaggedTensor:
+    lengths = torch.tensor([1, 2, 2])
+    return KeyedJaggedTensor(
+        ["a", "b"], torch.arange(5), lengths=lengths, stride_per_key=[1, 2], stride=6
+    )
+
+
+@pytest.mark.parametrize("make", [_empty_kjt, _explicit_stride_vbe_kjt], ids=["no_keys", "vbe"])
+def test_a_stride_the_lengths_do_not_carry_survives_pytrees(make) -> None:  # type: ignore[no-untyped-def]
+    """A KJT with no keys has a batch size its (empty) lengths do not carry, and so has a
+    variable batch given a stride above its per-key batches: both came back with another
+    stride (4 -> 0, 6 -> 2) from tree_map, and from a saved program's spec."""
+    kjt = make()
+    back = tree_map(lambda t: t, {"sparse": kjt})["sparse"]
+    assert back.stride() == kjt.stride() and back.keys() == kjt.keys()
+    spec = tree_structure(kjt)
+    loaded = treespec_loads(treespec_dumps(spec))
+    assert loaded == spec
+    assert tree_unflatten(tree_flatten(kjt)[0], loaded).stride() == kjt.stride()
 
 
 def test_jt_pytree() -> None:

@@ -458,3 +458,82 @@ def test_run_with_max_steps_then_progress_starts_a_new_pass(pipeline_cls, persis
         losses = pipe.run(loader, max_steps=2)
         losses += drive(pipe, iter(loader))[0]
     assert_same(losses, params(model), ref_losses, ref_params)
+
+
+# -- a run() between progress() calls ------------------------------------------------------------
+# A short pass (``run(list)``, ``run(iterator)``) in the middle of a progress() loop: the
+# overlapping pipeline has read batches ahead of the loop's iterator, and must train them when
+# the loop goes on, as the base pipeline does (they used to be dropped silently).
+
+
+def _interrupted_loop(pipe, it, other, steps_before=3):  # type: ignore[no-untyped-def]
+    """``steps_before`` progress() calls, ``run(other)``, then progress() to the end."""
+    losses = [float(pipe.progress(it)) for _ in range(steps_before)]
+    losses += pipe.run(other)
+    return losses + drive(pipe, it)[0]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("pipeline_cls", PIPELINES)
+@pytest.mark.parametrize("other_as", ["list", "iterator"])
+def test_run_between_progress_calls_resumes_the_loop_where_it_stopped(pipeline_cls, other_as):
+    batches = make_batches(KEYS, 7, seed=21)
+    other = make_batches(KEYS, 2, seed=22)
+    trained = batches[:3] + other + batches[3:]
+    ref_losses, ref_params = reference(trained)
+    model, opt = fresh(KEYS)
+    with pipeline_cls(model, opt, "cpu") as pipe:
+        runs = other if other_as == "list" else iter(other)
+        losses = _interrupted_loop(pipe, iter(batches), runs)
+        assert pipe.stats.steps == len(trained)
+        assert pipe.stats.copies == sum(b.transfer_count() for b in trained)
+    assert_same(losses, params(model), ref_losses, ref_params)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("pipeline_cls", PIPELINES)
+def test_two_iterators_stopped_early_each_go_on_where_they_stopped(pipeline_cls):
+    """``run(x, max_steps)`` leaves ``x`` under way; the loop's iterator and ``x`` then take
+    turns, each resuming its own batches."""
+    batches = make_batches(KEYS, 5, seed=23)
+    other = make_batches(KEYS, 3, seed=24)
+    trained = batches[:2] + other[:1] + batches[2:3] + other[1:] + batches[3:]
+    ref_losses, ref_params = reference(trained)
+    model, opt = fresh(KEYS)
+    with pipeline_cls(model, opt, "cpu") as pipe:
+        it, x = iter(batches), iter(other)
+        losses = [float(pipe.progress(it)), float(pipe.progress(it))]
+        losses += pipe.run(x, max_steps=1)
+        losses.append(float(pipe.progress(it)))
+        losses += pipe.run(x)
+        losses += drive(pipe, it)[0]
+    assert_same(losses, params(model), ref_losses, ref_params)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("pipeline_cls", PIPELINES)
+def test_batch_indices_count_the_batches_of_a_run_between_progress_calls(pipeline_cls):
+    batches = make_batches(KEYS, 6, seed=25)
+    model, opt = fresh(KEYS)
+    with pipeline_cls(model, opt, "cpu") as pipe:
+        it = FlakyLoader(batches, fail_at=[3])
+        losses = [float(pipe.progress(it)) for _ in range(3)]  # batches 0, 1, 2
+        losses += pipe.run(batches[:2])  # batches 3, 4
+        more, errors = drive(pipe, it)
+    assert len(losses) + len(more) == 3 + 2 + 2
+    assert errors == [(5, OSError)]  # the loop's fourth batch is the sixth drawn
+
+
+@pytest.mark.timeout(60)
+def test_end_pass_stops_a_pass_set_aside():
+    batches = make_batches(KEYS, 5, seed=26)
+    model, opt = fresh(KEYS)
+    with TrainPipelineSparseDist(model, opt, "cpu", poll_s=0.01) as pipe:
+        it = iter(batches)
+        pipe.progress(it)
+        reader = pipe._thread
+        pipe.run(batches[:1])
+        assert reader.is_alive()  # kept, with the batches it read ahead, for `it`
+        pipe.end_pass()
+        reader.join(timeout=5.0)
+        assert not reader.is_alive()

@@ -322,18 +322,23 @@ def test_a_bad_id_on_one_rank_is_skipped_on_every_rank(row_wise: tuple[str, ...]
 
 def _one_rank_fails_in_forward(rank: int, world: int) -> None:
     """Rank 1's forward fails on batch 2 (a dense batch of the wrong width) after the ids were
-    exchanged: rank 0 waits for pooled rows until the group's timeout. Every later failure
-    is a PipelineError too (no bare CommError from the roll call), saying that the group is
-    likely unusable."""
+    exchanged: rank 0 waits for pooled rows until the group's timeout. A failed collective is
+    a PipelineError too (no bare CommError from the roll call), saying that the group is
+    likely unusable; then the pipeline stops: later calls raise a CommError saying so."""
     from fxrec.distributed import CommError
 
     batches = make_batches(KEYS, 5, input_type="kjt", weighted=True, seed=50 + rank)
     if rank == 1:
         batches[2] = batches[2].replace(dense=batches[2].dense[:, :2])
     model, opt = _build()
+    errors: list = []
     with TrainPipelineSparseDist(model, opt) as pipe:
-        _, errors = _drive(pipe, iter(batches), steps=4)
+        it = iter(batches)
+        with pytest.raises(CommError, match="pipeline stopped at batch") as stopped:
+            for _ in range(5):
+                errors += _drive(pipe, it, steps=1)[1]
     assert errors, "the failure reached no rank"
+    assert stopped.value.__cause__ is errors[-1]
     if rank == 0:
         assert isinstance(errors[0].__cause__, CommError)
     comm = [e for e in errors if isinstance(e.__cause__, CommError)]
@@ -347,3 +352,40 @@ def test_a_forward_failing_on_one_rank_raises_pipeline_errors_on_every_rank():
     from tests.distributed.launch import run_ranks
 
     run_ranks(2, _one_rank_fails_in_forward, timeout=3.0, deadline=90.0)
+
+
+def _run_between_progress_calls(rank: int, world: int, mode: str) -> None:
+    """progress() twice, a run() of other batches, progress() to the end: the ids sent early
+    for the loop's next batch are dropped when the run starts, and sent again (after a roll
+    call) when the loop resumes; losses and parameters are the base pipeline's."""
+    import fxrec
+
+    batches = make_batches(KEYS, 5, input_type="kjt", weighted=True, seed=40 + rank)
+    other = make_batches(KEYS, 2, input_type="kjt", weighted=True, seed=50 + rank)
+    results = []
+    for cls in (TrainPipelineBase, TrainPipelineSparseDist):
+        model, opt = _build(("t1",))
+        run: nn.Module = model
+        if mode == "optimized":
+            run = fxrec.optimize(model, (batches[0].dense, batches[0].sparse))
+            opt = torch.optim.SGD(run.parameters(), lr=0.1)
+        with cls(run, opt) as pipe:
+            it = iter(batches)
+            losses = [float(pipe.progress(it)), float(pipe.progress(it))]
+            losses += pipe.run(other)
+            more, errors = _drive(pipe, it)
+            assert not errors and pipe.stats.steps == 7
+        results.append((losses + more, params(model)))
+    (l0, p0), (l1, p1) = results
+    assert l1 == pytest.approx(l0, rel=1e-6, abs=1e-7)
+    for k in p0:
+        torch.testing.assert_close(p1[k], p0[k], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not _have_collection(), reason="needs fxrec.nn.EmbeddingBagCollection")
+@pytest.mark.parametrize("mode", ["eager", "optimized"])
+def test_a_run_between_progress_calls_trains_like_the_base_pipeline(mode: str):
+    from tests.distributed.launch import run_ranks
+
+    run_ranks(2, _run_between_progress_calls, mode, timeout=30.0, deadline=100.0)
