@@ -55,7 +55,20 @@ of its tensor, rather than copied together with a ``cat`` into one set: a run pa
 extra launch while it holds at least :data:`CPU_VIEW_RUN_ELEMS` elements on a CPU (copying
 that many floats costs about one eager dispatch, ~0.5 ns per element against 2-5 us per
 launch here) and :data:`VIEW_RUN_ELEMS` elsewhere (a GPU launch costs about as much as
-copying a few MiB); smaller runs are copied with the rest (:func:`view_run_pays`).
+copying a few MiB); smaller runs are copied with the rest (:func:`view_run_pays`). A run
+that reads only part of a tensor autograd tracks costs, in backward, a zero-filled gradient
+of the whole tensor, added to its other gradients (the ``narrow``'s backward): on a CPU such
+a run of N members pays only while the tensor holds at most N - 1 times
+:data:`CPU_VIEW_RUN_ELEMS` elements (:func:`partial_view_pays`); FiBiNET's runs
+``v_i * x[:, i+1:]`` over a (2048, 20, 8) ``x`` made its training step 1.1x slower.
+
+Binary ops whose operands are copied together (a ``cat`` per operand that is not a run of
+pieces) pay on a CPU only while each member's copied operands hold at most
+:data:`CPU_COPIED_MEMBER_ELEMS` elements (:func:`copy_volume_reason`): a member saves about
+three launches (its forward op and the two gradients of its backward), and past that the
+copy and, in backward, the add of each operand's gradient through a strided slice of the
+fused one cost more. Measured on FiBiNET's 380 parallel ``v_i * f_j`` (members of 2048 x 8,
+both operands copied): training 11-26% slower fused at batch 2048, even at batch 256.
 """
 
 from __future__ import annotations
@@ -69,6 +82,7 @@ from fxrec.graph import meta
 
 __all__ = [
     "CPU_CHUNK_ELEMS",
+    "CPU_COPIED_MEMBER_ELEMS",
     "CPU_GROUP_ELEMS",
     "CPU_MEMBER_ELEMS",
     "CPU_STACKED_INPUT_ELEMS",
@@ -78,7 +92,9 @@ __all__ = [
     "cache_reason",
     "chunks",
     "copy_reason",
+    "copy_volume_reason",
     "inductor_on_cpu",
+    "partial_view_pays",
     "stacked_inputs_reason",
     "view_run_pays",
 ]
@@ -90,6 +106,7 @@ CPU_STACKED_INPUT_ELEMS = 16 * 1024
 INDUCTOR_CPU_COPY_MEMBERS = 32
 CPU_VIEW_RUN_ELEMS = 4 * 1024
 VIEW_RUN_ELEMS = 1024 * 1024
+CPU_COPIED_MEMBER_ELEMS = 8 * 1024
 
 
 def _numel(node: fx.Node) -> int | None:
@@ -140,10 +157,28 @@ def copy_reason(ctx: Any, members: int, what: str) -> str | None:
     )
 
 
+def copy_volume_reason(device_type: str, copied_elems: int) -> str | None:
+    """Why copying ``copied_elems`` elements of operands per member together costs more than
+    the launches the fusion saves on ``device_type`` (None: it pays; see the module notes)."""
+    if device_type != "cpu" or copied_elems <= CPU_COPIED_MEMBER_ELEMS:
+        return None
+    return (
+        f"CPU cost model: {copied_elems} operand elements per member copied together (> "
+        f"{CPU_COPIED_MEMBER_ELEMS}): the cats and their gradients cost more than the launches "
+        "saved"
+    )
+
+
 def view_run_pays(elems: int, device_type: str) -> bool:
     """Whether a run of pieces of one tensor holding ``elems`` elements in all should be fused
     on its own, as a view, rather than copied together with other members (module notes)."""
     return elems >= (CPU_VIEW_RUN_ELEMS if device_type == "cpu" else VIEW_RUN_ELEMS)
+
+
+def partial_view_pays(members: int, base_elems: int, device_type: str) -> bool:
+    """Whether a run of ``members`` reading part of a tensor of ``base_elems`` elements that
+    autograd tracks pays for that tensor's zero-filled gradient in backward (module notes)."""
+    return device_type != "cpu" or base_elems <= (members - 1) * CPU_VIEW_RUN_ELEMS
 
 
 def stacked_inputs_reason(device_type: str, input_elems: int) -> str | None:

@@ -21,10 +21,10 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from fxrec.graph.cost import copy_reason, view_run_pays
+from fxrec.graph.cost import copy_reason, copy_volume_reason, partial_view_pays, view_run_pays
 from fxrec.graph.effects import member_refusal, mutates_input
 from fxrec.graph.horizontal import Gathered, gather, scatter
-from fxrec.graph.pieces import contiguous_range, piece_runs
+from fxrec.graph.pieces import Piece, contiguous_range, piece_of, piece_runs
 from fxrec.graph.rule import HorizontalRule, RewriteContext, exact, register
 
 logger = logging.getLogger(__name__)
@@ -43,6 +43,9 @@ __all__ = [
 # ops in later passes rather than copied together with them.
 _VIEW_RUN = "fxrec_unary_view_run"
 _KEPT_APART = "fxrec_unary_kept_apart"
+# The same for binary ops: the side ("lhs"/"rhs") whose pieces the run is a view of.
+_BINARY_VIEW_RUN = "fxrec_binary_view_run"
+_BINARY_KEPT_APART = "fxrec_binary_kept_apart"
 
 # canonical name -> (functions, method names, module types)
 _SPELLINGS: dict[str, tuple[set[Any], set[str], tuple[type, ...]]] = {
@@ -351,6 +354,8 @@ class FuseParallelBinary(HorizontalRule):
         oi = ctx.info(node)
         if op is None or oi is None or not oi.static or oi.ndim == 0:
             return None
+        if node.meta.get(_BINARY_KEPT_APART):
+            return None
         sides = [_side_key(s, ctx) for s in (op.lhs, op.rhs)]
         if any(s is None for s in sides):
             return None
@@ -362,10 +367,40 @@ class FuseParallelBinary(HorizontalRule):
             oi.shape[:-1],
         )  # fmt: skip
 
+    def partition(self, group: Sequence[fx.Node], ctx: RewriteContext) -> list[list[fx.Node]]:
+        """One set per run of members whose operand on one side is consecutive pieces of one
+        tensor (a view of it), the other side a number, one tensor they all share (broadcast)
+        or a run of pieces in step; the other members together, copied.
+
+        FiBiNET's ``v_i * f_j`` over ``f = split(x, 1, 1)``: per ``i``, one
+        ``v_i * x[:, i+1:]`` instead of copying 2 x 380 operands together.
+        """
+        ops: list[BinaryOp] = [binary_op(n) for n in group]  # type: ignore[misc]
+        runs = _binary_view_runs(ops, group, ctx)
+        if not runs:
+            return super().partition(group, ctx)
+        taken = {i for _, run in runs for i in run}
+        copied = [n for i, n in enumerate(group) if i not in taken]
+        for n in copied:
+            n.meta.pop(_BINARY_VIEW_RUN, None)
+        parts: list[list[fx.Node]] = []
+        for side, run in runs:
+            members = [group[i] for i in run]
+            for n in members:
+                n.meta[_BINARY_VIEW_RUN] = side
+            parts.extend(super().partition(members, ctx))
+        logger.debug(
+            "%s: %d members as %d views of their tensors, %d copied",
+            self.name, len(group), len(runs), len(copied),
+        )  # fmt: skip
+        return parts + (super().partition(copied, ctx) if copied else [])
+
     def refuse_reason(self, group: Sequence[fx.Node], ctx: RewriteContext) -> str | None:
         if (why := member_refusal(group)) is not None:
             return why
-        ops = [binary_op(n) for n in group]
+        ops: list[BinaryOp] = [binary_op(n) for n in group]  # type: ignore[misc]
+        if _view_run_side(group, ops) is not None:
+            return None
         copies = sum(
             isinstance(getattr(ops[0], side), fx.Node)
             and contiguous_range([getattr(o, side) for o in ops]) is None
@@ -375,10 +410,16 @@ class FuseParallelBinary(HorizontalRule):
             return reason
         if copies and len(group) < 2 + 2 * copies:
             return f"{copies} operand(s) need a cat: {len(group)} members do not pay for it"
+        per_member = copies * _elems(group, ctx) // len(group)  # tensor operands: the result's size
+        if copies and (reason := copy_volume_reason(ctx.device_type, per_member)):
+            return reason
         return None
 
     def fuse(self, group: Sequence[fx.Node], ctx: RewriteContext) -> None:
         ops: list[BinaryOp] = [binary_op(n) for n in group]  # type: ignore[misc]
+        if (lead := _view_run_side(group, ops)) is not None:
+            self._fuse_view_run(group, ops, lead, ctx)
+            return
         first = ops[0]
         tensor_side = "lhs" if isinstance(first.lhs, fx.Node) else "rhs"
         g = gather(ctx, [getattr(o, tensor_side) for o in ops], -1)
@@ -398,6 +439,175 @@ class FuseParallelBinary(HorizontalRule):
             ctx.replace(member, out)
         ctx.erase_if_dead(group)
         self.fired(ctx, group, f"{first.name} x{len(group)}")
+
+    def _fuse_view_run(
+        self, group: Sequence[fx.Node], ops: list[BinaryOp], lead: str, ctx: RewriteContext
+    ) -> None:
+        """Fuse a run whose ``lead`` operands are consecutive pieces of one tensor (a view)."""
+        order = sorted(range(len(group)), key=lambda i: piece_of(getattr(ops[i], lead)).start)  # type: ignore[union-attr]
+        group, ops = [group[i] for i in order], [ops[i] for i in order]
+        first = ops[0]
+        g = gather(ctx, [getattr(o, lead) for o in ops], piece_of(getattr(first, lead)).dim)  # type: ignore[union-attr]
+        assert g is not None and not g.copied
+        args: list[Any] = []
+        for side in ("lhs", "rhs"):
+            value = getattr(first, side)
+            if side == lead:
+                args.append(g.node)
+            elif not isinstance(value, fx.Node):
+                args.append(value)
+            elif all(getattr(o, side) is value for o in ops):
+                # One tensor shared by the run: broadcast along the pieces' dim, no copy.
+                args.append(ctx.call_method("unsqueeze", (value, g.dim)) if g.squeezed else value)
+            else:
+                args.append(_gather_like(ctx, [getattr(o, side) for o in ops], g))
+        fused = ctx.call(_BINARY_APPLY[first.name], tuple(args), dict(first.extra))
+        fused.meta[_BINARY_KEPT_APART] = True
+        for member, out in zip(group, scatter(ctx, fused, g)):
+            ctx.replace(member, out)
+        ctx.erase_if_dead(group)
+        self.fired(ctx, group, f"{first.name} x{len(group)} (view)")
+
+
+def _view_run_side(group: Sequence[fx.Node], ops: Sequence[BinaryOp]) -> str | None:
+    """The side whose operands are the consecutive pieces of one tensor in a run that
+    :meth:`FuseParallelBinary.partition` set apart, or None (also when it no longer holds)."""
+    side = group[0].meta.get(_BINARY_VIEW_RUN)
+    if side is None or any(n.meta.get(_BINARY_VIEW_RUN) != side for n in group):
+        return None
+    leads = [getattr(o, side) for o in ops]
+    pieces = [piece_of(x) if isinstance(x, fx.Node) else None for x in leads]
+    if any(p is None for p in pieces):
+        return None
+    ordered = sorted(range(len(leads)), key=lambda i: pieces[i].start)  # type: ignore[union-attr]
+    if contiguous_range([leads[i] for i in ordered]) is None:
+        return None
+    other = "rhs" if side == "lhs" else "lhs"
+    others = [getattr(ops[i], other) for i in ordered]
+    if not isinstance(others[0], fx.Node) or all(o is others[0] for o in others):
+        return side if _broadcasts(pieces[0]) or not isinstance(others[0], fx.Node) else None  # type: ignore[arg-type]
+    rng = contiguous_range(others)  # type: ignore[arg-type]
+    p0 = pieces[0]
+    assert p0 is not None
+    if rng is None or rng[1] != p0.dim or rng[5] != p0.squeezed:
+        return None
+    return side
+
+
+def _broadcasts(p: Piece) -> bool:
+    """Whether a tensor of a member's shape broadcasts against a run of pieces like ``p``."""
+    return p.squeezed or p.length == 1
+
+
+# Candidate runs sort by size, then shared or number partners before pieces in step.
+_SHARED, _IN_STEP = 0, 1
+
+
+def _binary_view_runs(
+    ops: Sequence[BinaryOp], group: Sequence[fx.Node], ctx: RewriteContext
+) -> list[tuple[str, list[int]]]:
+    """Disjoint runs of members (positions in ``ops``, lead side) that fuse as views.
+
+    A member may join a run through either side; the largest runs are taken first, and a
+    run that lost members to an earlier one keeps its consecutive stretches.
+    """
+    by_key: dict[Hashable, list[tuple[int, Piece, Piece | None]]] = {}
+    for i, op in enumerate(ops):
+        for key, lead, step in _run_keys(op):
+            by_key.setdefault(key, []).append((i, lead, step))
+    candidates: list[tuple[int, int, int, str, list[int]]] = []
+    for key, entries in by_key.items():
+        for run in _consecutive(entries):
+            if len(run) > 1:
+                candidates.append((-len(run), key[1], min(run), key[0], run))  # type: ignore[index]
+    candidates.sort(key=lambda c: c[:3])
+    taken: set[int] = set()
+    runs: list[tuple[str, list[int]]] = []
+    for *_, side, run in candidates:
+        stretch: list[int] = []
+        for i in [*run, None]:
+            if i is not None and i not in taken:
+                stretch.append(i)
+                continue
+            if len(stretch) > 1 and _run_pays([ops[j] for j in stretch], side, ctx):
+                runs.append((side, stretch))
+                taken.update(stretch)
+            stretch = []
+    return runs
+
+
+def _run_pays(ops: Sequence[BinaryOp], side: str, ctx: RewriteContext) -> bool:
+    """Whether a run pays as a view: large enough, and every part of a tensor it reads small
+    enough against that tensor's backward (:func:`fxrec.graph.cost.partial_view_pays`)."""
+    elems = sum(ti.numel() for ti in (ctx.info(getattr(o, side)) for o in ops) if ti is not None)
+    if not view_run_pays(elems, ctx.device_type):
+        return False
+    for s in ("lhs", "rhs"):
+        nodes = [getattr(o, s) for o in ops]
+        if not isinstance(nodes[0], fx.Node) or all(n is nodes[0] for n in nodes):
+            continue
+        nodes.sort(key=lambda n: piece_of(n).start)  # type: ignore[union-attr]
+        rng = contiguous_range(nodes)
+        bi = ctx.info(rng[0]) if rng is not None else None
+        if rng is None or bi is None:
+            return False
+        base, dim, start, total = rng[:4]
+        whole = start == 0 and total == bi.shape[dim]
+        if (
+            not whole
+            and _tracked(base, bi)
+            and not partial_view_pays(len(ops), bi.numel(), ctx.device_type)
+        ):
+            return False
+    return True
+
+
+def _tracked(base: fx.Node, bi: Any) -> bool:
+    """Whether autograd may track ``base`` when the graph runs: graphs are rewritten in the
+    grad mode they run in; a graph input says whether it requires grad, a computed tensor's
+    metadata may not (parameters captured without it)."""
+    if not torch.is_grad_enabled() or not bi.dtype.is_floating_point:
+        return False
+    return bi.requires_grad or base.op != "placeholder"
+
+
+def _run_keys(op: BinaryOp) -> list[tuple[Hashable, Piece, Piece | None]]:
+    """The runs a member may join: (key, its lead piece, its other side's piece in step).
+
+    Key: (lead side, kind, the lead pieces' tensor, the partner: a number, the one shared
+    tensor, or the other side's pieces' tensor).
+    """
+    pieces = {
+        side: piece_of(v) if isinstance(v, fx.Node) else None
+        for side, v in (("lhs", op.lhs), ("rhs", op.rhs))
+    }
+    keys: list[tuple[Hashable, Piece, Piece | None]] = []
+    for side, other in (("rhs", "lhs"), ("lhs", "rhs")):
+        lead, partner = pieces[side], getattr(op, other)
+        if lead is None:
+            continue
+        where = (lead.base, lead.dim, lead.squeezed)
+        if not isinstance(partner, fx.Node):
+            keys.append(((side, _SHARED, where, ("number", exact(partner))), lead, None))
+        elif _broadcasts(lead):
+            keys.append(((side, _SHARED, where, partner), lead, None))
+    lhs, rhs = pieces["lhs"], pieces["rhs"]
+    if lhs is not None and rhs is not None and (lhs.dim, lhs.squeezed) == (rhs.dim, rhs.squeezed):
+        keys.append((("lhs", _IN_STEP, (lhs.base, lhs.dim, lhs.squeezed), rhs.base), lhs, rhs))
+    return keys
+
+
+def _consecutive(entries: list[tuple[int, Piece, Piece | None]]) -> list[list[int]]:
+    """Maximal runs of entries whose lead pieces (and pieces in step) follow one another."""
+    entries = sorted(entries, key=lambda e: (e[1].start, e[0]))
+    runs: list[list[int]] = []
+    end: tuple[int, int | None] | None = None
+    for i, lead, step in entries:
+        if end is None or lead.start != end[0] or (step is not None and step.start != end[1]):
+            runs.append([])
+        runs[-1].append(i)
+        end = (lead.start + lead.length, None if step is None else step.start + step.length)
+    return runs
 
 
 def _gather_like(ctx: RewriteContext, inputs: Sequence[fx.Node], like: Gathered) -> fx.Node:

@@ -334,7 +334,7 @@ def test_fbgemm_is_not_used_in_graphs_traced_again() -> None:
 
 # -- CPU cap on a fused lookup's tables ------------------------------------------------------
 # A CPU optimizer steps parameter by parameter with scratch as large as each one: tables past
-# the cap are fused in consecutive subsets, each laid out under the cap.
+# the cap are fused in subsets (first fit, in reading order), each laid out under the cap.
 BIG_ROWS, BIG_DIM = 24_576, 64  # 6 MiB of float32 per table: two fit under 16 MiB, three do not
 
 
@@ -353,12 +353,12 @@ def _big_ids(b: int) -> tuple[torch.Tensor]:
     return (torch.randint(0, BIG_ROWS, (b, 5, 2)),)
 
 
-def _adagrad_matches(opt: nn.Module, ref: nn.Module, steps: int = 3) -> None:
+def _adagrad_matches(opt: nn.Module, ref: nn.Module, steps: int = 3, ids: Any = None) -> None:
     """Outputs and parameters equal the model as written through ``steps`` Adagrad steps."""
     o_opt = torch.optim.Adagrad(opt.parameters(), lr=0.1)
     o_ref = torch.optim.Adagrad(ref.parameters(), lr=0.1)
     for _ in range(steps):
-        (x,) = _big_ids(6)
+        (x,) = (ids or _big_ids)(6)
         got, want = opt(x), ref(x)
         torch.testing.assert_close(got, want)
         (got**2).sum().backward()
@@ -404,3 +404,135 @@ def test_tables_past_the_cpu_cap_fuse_in_subsets_under_it(rules: list) -> None:
     ref = BigTables()
     model = copy.deepcopy(ref)
     _adagrad_matches(fxrec.optimize(model, _big_ids(4), rules=rules), ref)
+
+
+MIB_ROWS = (1 << 20) // (BIG_DIM * 4)  # rows of a 1 MiB float32 table of dim BIG_DIM
+
+
+class SizedTables(nn.Module):
+    """Per-feature bags over tables of the given row counts, two ids per bag (ids < 100)."""
+
+    def __init__(self, rows: list[int]) -> None:
+        super().__init__()
+        self.t = nn.ModuleList(nn.EmbeddingBag(r, BIG_DIM, mode="sum") for r in rows)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t(ids[:, i]) for i, t in enumerate(self.t)], 1)
+
+
+def _sized_ids(n: int) -> Any:
+    return lambda b: (torch.randint(0, 100, (b, n, 2)),)
+
+
+def test_small_tables_read_around_a_full_one_share_one_lookup() -> None:
+    """Small, 16 MiB, small, small: the small tables are packed first fit into one subset
+    (the first one used to be cut off alone by the 16 MiB table, and kept its own lookup
+    with the reason that its 25 KiB table filled the cap)."""
+    import copy
+
+    import fxrec
+
+    rows = [100, 16 * MIB_ROWS, 100, 100]
+    opt = check_equivalent(lambda: SizedTables(rows), _sized_ids(4), rules=RULES)
+    assert fired(opt, "parallel_embedding") == 1
+    (why,) = refusals(opt, "parallel_embedding")  # the 16 MiB table's member alone
+    assert "its table alone fills the 16 MiB cap" in why
+    assert [tuple(f.shape) for f in opt.fxrec_fused.parameters()] == [(300, BIG_DIM)]
+    ops = forward_ops(opt, *_sized_ids(4)(4))
+    fused = {"aten::stack": 1, **ID_CHECK, "aten::add": 1, "aten::index_select": 1}
+    assert {k: ops[k] for k in fused} == fused, ops
+    assert ops["aten::sum"] == 1 and ops["aten::_embedding_bag"] == 1
+    ref = SizedTables(rows)
+    model = copy.deepcopy(ref)
+    _adagrad_matches(fxrec.optimize(model, _sized_ids(4)(4), rules=RULES), ref, ids=_sized_ids(4))
+
+
+def test_a_small_table_left_without_room_says_so() -> None:
+    """Two 8 MiB tables fill one subset; the small table after them has nothing to fuse
+    with, and the report says that, not that its table fills the cap."""
+    opt = check_equivalent(lambda: SizedTables([8 * MIB_ROWS, 8 * MIB_ROWS, 100]), _sized_ids(3))
+    assert fired(opt, "parallel_embedding") == 1
+    (why,) = refusals(opt, "parallel_embedding")
+    assert "alone fills" not in why
+    assert "left alone when the set was cut into subsets of at most 16 MiB" in why
+    assert "0.02 MiB table" in why
+
+
+# -- lookups pooled by hand -----------------------------------------------------------------
+# ``embedding(ids).sum(1)`` is a bag lookup: fused as plain lookups, the backward stacked the
+# members' [B, L, D] row gradients (a training step of 8 tables x batch 2048 x 20 ids x dim 64
+# was 1.5-2x slower than the model as written); fused as bags, those rows never exist.
+
+
+class HandPooled(nn.Module):
+    """``nn.Embedding`` lookups of 2-D ids, each pooled over its ids as written."""
+
+    def __init__(self, n: int, pool: str) -> None:
+        super().__init__()
+        self.pool = pool
+        self.t = nn.ModuleList(nn.Embedding(10 + i, 4) for i in range(n))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        outs = []
+        for i, t in enumerate(self.t):
+            rows = t(ids[:, i])
+            if self.pool == "sum":
+                outs.append(rows.sum(1))
+            elif self.pool == "mean":
+                outs.append(rows.mean(dim=-2))
+            else:
+                outs.append(torch.sum(rows, dim=1))
+        return torch.cat(outs, 1)
+
+
+@pytest.mark.parametrize("pool", ["sum", "mean", "torch.sum"])
+@pytest.mark.parametrize("bag_len", [3, 12])
+def test_lookups_pooled_by_hand_fuse_as_bags(pool: str, bag_len: int) -> None:
+    import fxrec
+
+    opt = check_equivalent(lambda: HandPooled(5, pool), _ids(5, bag_len), rules=RULES)
+    assert fired(opt, "parallel_embedding") == 1
+    ops = forward_ops(opt, *_ids(5, bag_len)(4))
+    assert "aten::embedding" not in ops
+    if bag_len <= 8:  # short bags: one gather of rows and one reduction
+        lookup = {"aten::index_select": 1, f"aten::{pool.removeprefix('torch.')}": 1}
+    else:  # one embedding_bag (its 2-D ids' bag offsets: an arange)
+        lookup = {"aten::arange": 1, "aten::_embedding_bag": 1}
+    # the column ids stacked, checked, shifted; the model's own cat of the outputs
+    want = {"aten::stack": 1, **ID_CHECK, "aten::add": 1, "aten::cat": 1, **lookup}
+    assert ops == want, ops
+    kc = fxrec.count_kernels(opt, *_ids(5, bag_len)(4))
+    assert kc.backward == (3 if bag_len > 8 else 5 if pool == "mean" else 6), kc
+
+
+# One table-batched lookup for all members; its ids are one cat of the members' flattened
+# ids, and each column ``ids[:, i]`` (strided) is copied by its flatten (clone + view), as
+# is the expanded bag-length tensor before its cumsum.
+HAND_POOLED_FBGEMM_OPS = {
+    "aten::clone": 6,
+    "aten::_unsafe_view": 6,
+    "aten::cat": 1,
+    "aten::cumsum": 1,
+    "aten::constant_pad_nd": 1,
+    "fbgemm::dense_embedding_codegen_lookup_function": 1,
+}
+
+
+@needs_fbgemm
+@pytest.mark.parametrize("pool", ["sum", "mean"])
+def test_lookups_pooled_by_hand_take_the_fbgemm_lookup(pool: str) -> None:
+    opt = check_equivalent(lambda: HandPooled(5, pool), _ids(5, 12), rules=WITH_FBGEMM)
+    assert fired(opt, "parallel_embedding") == 1
+    assert _uses_fbgemm(opt)
+    ops = forward_ops(opt, *_ids(5, 12)(4))
+    assert ops == HAND_POOLED_FBGEMM_OPS, ops
+
+
+def test_a_lookup_pooled_with_keepdim_stays_a_plain_lookup() -> None:
+    class KeepDim(HandPooled):
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return torch.cat([t(ids[:, i]).sum(1, keepdim=True) for i, t in enumerate(self.t)], 1)
+
+    opt = check_equivalent(lambda: KeepDim(5, "sum"), _ids(5, 3), rules=RULES)
+    assert fired(opt, "parallel_embedding") == 1
+    assert forward_ops(opt, *_ids(5, 3)(4))["aten::embedding"] == 1
