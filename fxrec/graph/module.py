@@ -37,7 +37,7 @@ from fxrec.graph import meta
 from fxrec.graph.capture import CaptureError, capture_lock, capture_symbolic
 from fxrec.graph.effects import comm_kind, has_hooks
 from fxrec.graph.optim_state import track
-from fxrec.graph.optimize_graph import RuleSpec, optimize_graph, resolve_rules
+from fxrec.graph.optimize_graph import RuleSpec, optimize_graph, resolve_rules, strict_mode
 from fxrec.graph.params import FusedParameters, ParamStore, laid_out
 from fxrec.graph.report import Report
 
@@ -668,15 +668,24 @@ class OptimizedModule(nn.Module):
             runs_eagerly=self._backend == "eager",
             for_inductor=self._backend == "inductor",
         )
+        failed = ""
         with _hooks_silenced(self.model):
             check = self._check and not _fake(args, {})  # fake inputs (export): no values
-            same = not check or _same_outputs(self.model, gm, args, reference)
+            try:
+                same = not check or _same_outputs(self.model, gm, args, reference)
+            except Exception as exc:  # a rewrite the inputs break: the model's graph runs them
+                if strict_mode():
+                    raise
+                same, failed = False, f" (it raised {type(exc).__name__}: {exc})"
         if not same:
             logger.warning(
-                "fxrec: optimized graph disagrees with the model on the example inputs; using the captured graph"
+                "fxrec: optimized graph disagrees with the model on the example inputs%s; "
+                "using the captured graph",
+                failed,
             )
             report.notes.append(
-                "check failed: outputs differ on the example inputs; graph left unoptimized"
+                f"check failed: outputs differ on the example inputs{failed}; graph left "
+                "unoptimized"
             )
             gm = fx.GraphModule(traced, _copy_graph(traced.graph), traced.__class__.__name__)
             ParamStore(gm, self._owner()).rebind()  # members laid out already: reach them

@@ -250,6 +250,8 @@ def _pooled_lookup(node: fx.Node, ctx: RewriteContext) -> Lookup | None:
     ii, wi = ctx.info(inner.ids), param_info(ctx, inner.weight)
     if ii is None or ii.ndim != 2 or wi is None or wi.dtype not in (torch.float32, torch.float64):
         return None
+    if ii.shape[1] == 0:  # no ids per row: embedding_bag's 2-D form refuses it
+        return None
     return Lookup(True, inner.ids, inner.weight, None, None, mode, inner.sparse, False, inner.plain)
 
 

@@ -185,6 +185,30 @@ def test_wrong_rewrite_is_caught_by_the_check(monkeypatch: pytest.MonkeyPatch) -
     torch.testing.assert_close(opt(*xs), model(*xs))
 
 
+def test_a_rewrite_raising_on_the_example_is_caught_by_the_check(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A rewritten graph that raises on the example inputs (a lowering those inputs break)
+    is a failed check: the captured graph runs, as for wrong outputs."""
+
+    class Raising(StackedScale):
+        name = "test_raising"
+
+        def fuse(self, group, ctx):  # type: ignore[override]
+            for n in group:  # a matmul of mismatched shapes, which raises when run
+                with ctx.graph.inserting_before(n):
+                    bad = ctx.graph.call_function(torch.mm, (n.args[0], n.args[0]))
+                ctx.replace(n, bad)
+            ctx.erase_if_dead(group)
+
+    monkeypatch.setenv("FXREC_STRICT", "0")
+    model = Scales()
+    opt = fxrec.optimize(model, _inputs(), rules=[Raising])
+    assert any("check failed" in n and "it raised" in n for n in opt.fxrec_report.notes)
+    xs = _inputs()
+    torch.testing.assert_close(opt(*xs), model(*xs))
+
+
 class _Branchy(Scales):
     """Scales that symbolic tracing cannot follow (a branch on the input): dynamo captures it."""
 
@@ -404,7 +428,9 @@ class _NormTowers(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a, b, c, d = torch.split(x, 8, 1)
-        return torch.cat([torch.tanh(lin(n(p))) for n, lin, p in zip(self.norms, self.lins, (a, b, c, d))], 1)
+        return torch.cat(
+            [torch.tanh(lin(n(p))) for n, lin, p in zip(self.norms, self.lins, (a, b, c, d))], 1
+        )
 
 
 def test_a_bfloat16_model_passes_the_check_within_a_few_ulps() -> None:

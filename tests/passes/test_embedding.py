@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import fxrec
 from fxrec.nn import _fbgemm
 from fxrec.passes.embedding import FuseParallelLookups
 from tests.passes.test_linear import check_equivalent, fired, forward_ops, refusals
@@ -526,6 +528,33 @@ def test_lookups_pooled_by_hand_take_the_fbgemm_lookup(pool: str) -> None:
     assert _uses_fbgemm(opt)
     ops = forward_ops(opt, *_ids(5, 12)(4))
     assert ops == HAND_POOLED_FBGEMM_OPS, ops
+
+
+class SparseHandPooled(HandPooled):
+    """The same lookups of tables with sparse gradients (``embedding_bag``'s 2-D ids when
+    fused)."""
+
+    def __init__(self, n: int, pool: str) -> None:
+        super().__init__(n, pool)
+        self.t = nn.ModuleList(nn.Embedding(10 + i, 4, sparse=True) for i in range(n))
+
+
+def test_sparse_lookups_pooled_by_hand_over_no_ids_run_as_the_model() -> None:
+    """Rows of no ids: ``embedding_bag`` refuses 2-D ids of length 0, so such lookups stay
+    plain, and a graph built for longer rows rebuilds for them."""
+    torch.manual_seed(0)
+    ref = SparseHandPooled(3, "sum")
+    opt = fxrec.optimize(copy.deepcopy(ref), _ids(3, 3)(4), rules=RULES)
+    opt.first_report = copy.deepcopy(opt.fxrec_report)  # what fired() reads
+    assert fired(opt, "parallel_embedding") == 1
+    for bag_len in (0, 3):
+        (ids,) = _ids(3, bag_len)(5)
+        torch.testing.assert_close(opt(ids), ref(ids))
+    empty = fxrec.optimize(copy.deepcopy(ref), _ids(3, 0)(4), rules=RULES)
+    (ids,) = _ids(3, 0)(4)
+    torch.testing.assert_close(empty(ids), ref(ids))
+    for module in (opt, empty):  # the rewrites ran: no graph fell back after its check
+        assert not [n for n in module.fxrec_report.notes if "check failed" in n]
 
 
 def test_a_lookup_pooled_with_keepdim_stays_a_plain_lookup() -> None:
