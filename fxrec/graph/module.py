@@ -858,6 +858,7 @@ class OptimizedModule(nn.Module):
         # submodule or parameter replaced after loading would go unseen. The first call looks.
         _count_registrations()
         self._registrations_seen = -1
+        track(self)  # optimizers over the copy record its layouts too
 
     def __deepcopy__(self, memo: dict[int, Any]) -> OptimizedModule:
         """An independent copy: the model deep-copied, its parameters laid out as here.
@@ -878,6 +879,7 @@ class OptimizedModule(nn.Module):
         out.fxrec_report = self.fxrec_report.for_copy()
         out.train(self.training)
         memo[id(self)] = out
+        track(out)
         return out
 
 

@@ -113,7 +113,7 @@ def _plain_groups(opt: Any, optimizer: torch.optim.Optimizer) -> list[list[_Entr
     model = opt.model
     named = {id(p): i for i, (_, p) in enumerate(model.named_parameters())}
     names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
-    listed = _LISTED.get(opt, [])
+    listed = _LISTED.get(opt, {})
     members: dict[str, list[tuple[str, _Member]]] = {}
     for loc in fused.locate().values():
         members.setdefault(loc[0], []).append((loc[1], loc[2]))
@@ -128,23 +128,26 @@ def _plain_groups(opt: Any, optimizer: torch.optim.Optimizer) -> list[list[_Entr
                 continue
             for how, m in members[flat]:
                 entries.append(_Entry(names.get(id(m.tensor)), m.tensor, p, how, m))
-        order = next((o for g, o in listed if g is group), named)
+        order = listed.get(tuple(id(p) for p in group["params"]), named)
         entries.sort(key=lambda e: order.get(id(e.tensor), len(order)))
         out.append(entries)
     return out
 
 
 # The order of the model's parameters in each group given to fxrec.param_groups, by the
-# group it returned (which the optimizer keeps): a plain optimizer on those groups saves
-# their state in that order.
+# tensors of the group it returned (an optimizer copies and replaces group dicts, never its
+# tensors): a plain optimizer on those groups saves their state in that order.
 _LISTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def remember_order(opt: Any, group: dict[str, Any], params: list[torch.Tensor]) -> None:
     """``group`` (returned by ``fxrec.param_groups``) lists ``params`` of the model, in order."""
-    orders = _LISTED.setdefault(opt, [])
-    orders[:] = [(g, o) for g, o in orders if g is not group][-63:]  # recent groups only
-    orders.append((group, {id(p): i for i, p in enumerate(params)}))
+    orders = _LISTED.setdefault(opt, {})
+    key = tuple(id(p) for p in group["params"])
+    orders.pop(key, None)
+    while len(orders) >= 64:  # recent groups only
+        del orders[next(iter(orders))]
+    orders[key] = {id(p): i for i, p in enumerate(params)}
 
 
 def _piece(key: str, value: Any, e: _Entry) -> Any:
@@ -249,6 +252,7 @@ def _disagree(pieces: list[tuple[_Entry, Any]], what: str, got: list[Any]) -> st
 
 _TRACKED: weakref.WeakSet = weakref.WeakSet()  # optimized modules whose layouts are recorded
 _HELD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> (sig, flats)
+_RECORDING: weakref.WeakSet = weakref.WeakSet()  # optimizers whose state_dict() records layouts
 _hook: list[Any] = []
 
 
@@ -293,8 +297,9 @@ def _held(optimizer: torch.optim.Optimizer) -> list[tuple[torch.Tensor, str, dic
         for p in g["params"]
         if id(p) in layouts
     ]
-    if held and cached is None:
+    if held and optimizer not in _RECORDING:  # flat parameters may come in a later group
         optimizer.register_state_dict_post_hook(_record_layouts)
+        _RECORDING.add(optimizer)
     _HELD[optimizer] = (sig, held)
     return held
 

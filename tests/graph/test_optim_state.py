@@ -113,9 +113,13 @@ def test_a_plain_jobs_optimizer_state_resumes_with_fxrec(name: str) -> None:
     _assert_same_params(model, plain)
 
 
-def test_a_plain_job_listing_its_groups_in_its_own_order_resumes_with_fxrec() -> None:
+@pytest.mark.parametrize("groups", ["as_given", "copied"])
+def test_a_plain_job_listing_its_groups_in_its_own_order_resumes_with_fxrec_and_back(
+    groups: str,
+) -> None:
     """A plain optimizer saves each group's state in the order its groups list parameters;
-    ``fxrec.param_groups`` was given that order, so the state is matched through it."""
+    ``fxrec.param_groups`` was given that order, so the state is matched through it, both
+    ways, whatever copies of the group dicts the optimizer (or a wrapper) makes."""
     make = OPTIMIZERS["adam"]
     torch.manual_seed(0)
     plain = Rec()
@@ -126,11 +130,16 @@ def test_a_plain_job_listing_its_groups_in_its_own_order_resumes_with_fxrec() ->
     model = Rec()
     model.load_state_dict(ckpt["model"])
     opt = fxrec.optimize(model, (_batch(0)[0],))
-    o = make(fxrec.param_groups(opt, _reversed_groups(model)))
+    given = fxrec.param_groups(opt, _reversed_groups(model))
+    o = make([dict(g) for g in given] if groups == "copied" else given)
     fxrec.load_optim_state_dict(opt, o, ckpt["optim"])
     _train(opt, o, range(3, 6), FEATURES)
     _assert_same_params(model, plain)
-    assert fxrec.optim_state_dict(opt, o)["param_groups"] == o_plain.state_dict()["param_groups"]
+    state, want = fxrec.optim_state_dict(opt, o), o_plain.state_dict()
+    assert state["param_groups"] == want["param_groups"]
+    for i, st in want["state"].items():
+        for k, v in st.items():
+            torch.testing.assert_close(state["state"][i][k], v, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
@@ -195,6 +204,47 @@ def test_a_resume_over_another_layout_from_the_optimizers_own_state_raises() -> 
     o.load_state_dict(copy.deepcopy(ckpt["optim"]))  # the flat parameters' shapes match
     with pytest.raises(RuntimeError, match=r"another order.*fxrec.load_optim_state_dict"):
         _train(opt, o, range(3, 4), order)
+
+
+@pytest.mark.parametrize("how", ["flats_added_later", "deepcopy", "pickled"])
+def test_layouts_are_recorded_however_the_optimizer_or_module_came(how: str) -> None:
+    """Flat parameters given to an optimizer after its first step, and optimizers over a
+    copy of the optimized module, record the layout too: a resume over another layout
+    raises instead of giving each member another member's state."""
+    torch.manual_seed(0)
+    _, opt, _ = _fxrec(Rec().state_dict(), OPTIMIZERS["adam"])
+    if how == "deepcopy":
+        opt = copy.deepcopy(opt)
+    elif how == "pickled":
+        opt = _reloaded_module(opt)
+    flats = [p for n, p in opt.named_parameters() if n.startswith("fxrec_fused.")]
+    others = [p for n, p in opt.named_parameters() if not n.startswith("fxrec_fused.")]
+    o = torch.optim.Adam(others if how == "flats_added_later" else flats + others, lr=0.02)
+    if how == "flats_added_later":
+        _train(opt, o, range(1), FEATURES)
+        o.add_param_group({"params": flats})
+    _train(opt, o, range(1, 3), FEATURES)
+    saved = o.state_dict()
+    assert any("fxrec_layout" in st for st in saved["state"].values())
+    order = FEATURES[::-1]
+    _, other, _ = _fxrec(opt.state_dict(), OPTIMIZERS["adam"], order)
+    flats = [p for n, p in other.named_parameters() if n.startswith("fxrec_fused.")]
+    others = [p for n, p in other.named_parameters() if not n.startswith("fxrec_fused.")]
+    o = torch.optim.Adam(others, lr=0.02) if how == "flats_added_later" else None
+    if o is None:
+        o = torch.optim.Adam(flats + others, lr=0.02)
+    else:
+        o.add_param_group({"params": flats})
+    o.load_state_dict(saved)
+    with pytest.raises(RuntimeError, match="another order"):
+        _train(other, o, range(3, 4), order)
+
+
+def _reloaded_module(module: nn.Module) -> nn.Module:
+    buf = io.BytesIO()
+    torch.save(module, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
 
 
 def test_states_one_flat_parameter_cannot_hold_raise() -> None:
