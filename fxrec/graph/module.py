@@ -38,7 +38,14 @@ from fxrec.graph.capture import CaptureError, capture_lock, capture_symbolic
 from fxrec.graph.effects import comm_kind, has_hooks
 from fxrec.graph.optim_state import track
 from fxrec.graph.optimize_graph import RuleSpec, optimize_graph, resolve_rules, strict_mode
-from fxrec.graph.params import FusedParameters, ParamStore, laid_out
+from fxrec.graph.params import (
+    FusedParameters,
+    ParamStore,
+    laid_out,
+    note_graph_writes,
+    note_written,
+    seen_written,
+)
 from fxrec.graph.report import Report
 
 logger = logging.getLogger(__name__)
@@ -652,6 +659,7 @@ class OptimizedModule(nn.Module):
         gm = fx.GraphModule(traced, graph, traced.__class__.__name__)
         if any(comm_kind(n) for n in gm.graph.nodes):
             self._communicates.add(mode)
+        note_graph_writes(gm)  # parameters it writes: copied before the runs below
         with _preserved_state(self.model, args), _hooks_silenced(self.model):
             try:
                 reference = _run_annotating(gm, args)
@@ -1390,28 +1398,6 @@ def _without_assign_flags(state_dict: Mapping[str, Any]) -> Mapping[str, Any]:
 _ASSIGN_FLAG = "assign_to_params_buffers"
 
 
-# Parameters a forward was seen writing in place (``F.embedding(..., max_norm=)`` on a
-# parameter, a clamp under no_grad), by id: copied before fxrec's later runs, as known
-# writers are.
-_written_in_place: dict[int, weakref.ref] = {}
-
-
-def _seen_written(p: torch.Tensor) -> bool:
-    ref = _written_in_place.get(id(p))
-    return ref is not None and ref() is p
-
-
-def _note_written(p: torch.Tensor) -> None:
-    key = id(p)
-
-    def forget(ref: weakref.ref) -> None:  # the parameter died: its id may be reused
-        if _written_in_place.get(key) is ref:
-            del _written_in_place[key]
-
-    if not _seen_written(p):
-        _written_in_place[key] = weakref.ref(p, forget)
-
-
 def _version(t: torch.Tensor) -> int | None:
     """``t``'s version counter, or None where it keeps none (inference and meta tensors)."""
     if t.is_inference() or t.device.type == "meta":
@@ -1447,18 +1433,21 @@ def _written_params(model: nn.Module) -> list[nn.Parameter]:
     """Parameters a forward of ``model`` may write in place, copied before each of fxrec's
     runs (copying every parameter would cost as much memory as the tables):
     ``Embedding``/``EmbeddingBag(max_norm=...)`` renormalize the rows they look up, a
-    module's own forward hooks may change its parameters (those up to 64 MiB: a logging
-    hook on a large table's module must not double its memory; larger ones are seen by
-    their version, see ``_report_unsaved_writes``), and parameters seen written before."""
+    module's own forward hooks may change its parameters (up to 64 MiB of them in all: a
+    logging hook on large tables' modules must not double their memory; the others are seen
+    by their version, see ``_report_unsaved_writes``), and parameters seen written before."""
     out: dict[int, nn.Parameter] = {}
+    budget = _HOOKED_COPY_BYTES
     for m in model.modules():
         renorms = isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None
         hooked = m._forward_pre_hooks or m._forward_hooks
         for p in m.parameters(recurse=False) if renorms or hooked else ():
-            if renorms or p.numel() * p.element_size() <= _HOOKED_COPY_BYTES:
+            size = p.numel() * p.element_size()
+            if renorms or size <= budget:
                 out[id(p)] = p
+                budget -= 0 if renorms else size
     for p in model.parameters():
-        if _seen_written(p):
+        if seen_written(p):
             out[id(p)] = p
     return [p for p in out.values() if _version(p) is not None]
 
@@ -1536,7 +1525,7 @@ class _preserved_state:
         names = []
         for name, p in self.model.named_parameters():
             if id(p) in moved or any(id(f) in moved for f in _flats_holding(p)):
-                _note_written(p)
+                note_written(p)
                 names.append(name)
         logger.warning(
             "fxrec: the model's forward wrote parameters in place (%s) while fxrec ran it to "

@@ -845,12 +845,15 @@ class FusedParameters(nn.Module):
         return name
 
     def _free_name(self, wanted: str | None, how: str) -> str:
-        """``wanted`` if no attribute has it yet (else with a count), or ``how`` and a count."""
-        base = wanted or how
-        name = base if wanted else f"{how}{len(self._members)}"
-        count = 1
+        """``wanted`` if no attribute has it yet, else with a count before its last word
+        (``layers_x_bias``, ``layers_x_2_bias``: still ending as its members' names do), or
+        ``how`` and a count."""
+        if not wanted:
+            wanted = f"{how}{len(self._members)}"
+        head, _, last = wanted.rpartition("_")
+        name, count = wanted, 2
         while name in self._members or hasattr(self, name):
-            name, count = f"{base}{count}", count + 1
+            name, count = (f"{head}_{count}_{last}" if head else f"{last}_{count}"), count + 1
         return name
 
     def _install(
@@ -1010,15 +1013,29 @@ class ParamStore:
         return obj
 
     def names_of(self, ts: Sequence[torch.Tensor]) -> list[str] | None:
-        """The graph's attribute names of ``ts`` (None when one has none)."""
+        """The graph's attribute names of ``ts`` (None when one has none); a flat tensor's
+        are its members' (a flat laid out in another is named after the model's names)."""
         if self._names is None or any(id(t) not in self._names for t in ts):
             self._names = {}  # rules add flat tensors: read again when one is not known
             for name, t in self.gm.named_parameters(remove_duplicate=False):
                 self._names.setdefault(id(t), name)
             for name, t in self.gm.named_buffers(remove_duplicate=False):
                 self._names.setdefault(id(t), name)
-        names = [self._names.get(id(t)) for t in ts]
-        return None if any(n is None for n in names) else names  # type: ignore[return-value]
+        names: list[str] = []
+        for t in ts:
+            name = self._names.get(id(t))
+            if name is None:
+                return None
+            flat = name.removeprefix(OWNER_ATTR + ".")
+            inner = self.owner._members.get(flat) if self.owner is not None else None
+            if name.startswith(OWNER_ATTR + ".") and inner is not None:
+                more = self.names_of([m.tensor for m in inner[1]])
+                if more is None:
+                    return None
+                names.extend(more)
+            else:
+                names.append(name)
+        return names
 
     def is_laid_out(self, ts: Sequence[torch.Tensor | None], how: str) -> bool:
         """Are these exact tensors already one flat tensor laid out ``how``?"""
@@ -1178,12 +1195,53 @@ def _may_write_own(mod: nn.Module) -> bool:
     )
 
 
+# Parameters a forward was seen writing in place (``F.embedding(..., max_norm=)`` on a
+# parameter, a clamp under no_grad), by id: fxrec's runs copy them first, as known writers,
+# and the model runs as written read them through views of their own (see ``_writes_own``).
+_written_in_place: dict[int, weakref.ref] = {}
+
+
+def seen_written(p: torch.Tensor) -> bool:
+    ref = _written_in_place.get(id(p))
+    return ref is not None and ref() is p
+
+
+def note_written(p: torch.Tensor) -> None:
+    key = id(p)
+
+    def forget(ref: weakref.ref) -> None:  # the parameter died: its id may be reused
+        if _written_in_place.get(key) is ref:
+            del _written_in_place[key]
+
+    if not seen_written(p):
+        _written_in_place[key] = weakref.ref(p, forget)
+
+
+def note_graph_writes(gm: fx.GraphModule) -> None:
+    """Note the parameters ``gm`` writes in place (``w.mul_(...)`` under no_grad,
+    ``F.embedding(ids, w, max_norm=...)``) before anything runs it, so that fxrec's own runs
+    copy them first and put them back."""
+    for node in gm.graph.nodes:
+        if node.op != "get_attr" or not (
+            written_in_place(node) or any(_renorms(u, node) for u in node.users)
+        ):
+            continue
+        t: object = gm
+        for part in str(node.target).split("."):
+            t = getattr(t, part, None)
+        if isinstance(t, nn.Parameter):
+            note_written(t)
+
+
 def _writes_own(model: nn.Module) -> bool:
     """Might running ``model`` as written write its parameters in place, as far as can be
-    seen without running it: module hooks (its own or global ones) or ``max_norm`` layers."""
+    seen without running it: module hooks (its own or global ones), ``max_norm`` layers, or
+    parameters a run was seen writing."""
     from torch.nn.modules import module as nn_module
 
     if any(getattr(nn_module, f"_global{h}", None) for h in _HOOK_DICTS):
+        return True
+    if _written_in_place and any(seen_written(p) for p in model.parameters()):
         return True
     return any(has_hooks(m) or getattr(m, "max_norm", None) is not None for m in model.modules())
 

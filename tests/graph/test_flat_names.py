@@ -113,6 +113,44 @@ def test_flat_names_keep_the_members_last_word(untraceable: bool) -> None:
     assert len(set(flats)) == len(flats)
 
 
+class TwoStages(nn.Module):
+    """Two sets of parallel Linears in one ModuleList: two flats share a name's words."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(2 * N))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hs = [torch.relu(self.layers[i](x)) for i in range(N)]
+        return torch.cat([self.layers[N + i](h) for i, h in enumerate(hs)], 1)
+
+
+@pytest.mark.parametrize("make", ["two_stages", "nested"])
+def test_flats_sharing_words_and_flats_laid_out_in_others_end_as_their_members(
+    make: str,
+) -> None:
+    """A count that tells two flats apart goes before the last word, and a flat laid out in
+    another names the outer one after the model's parameters: both still end in ``bias``
+    where their members do, so the no-decay idiom picks them."""
+    from tests.graph.test_nested_layouts import TaskExperts
+
+    torch.manual_seed(0)
+    model = TwoStages() if make == "two_stages" else TaskExperts()
+    x = torch.randn(16, 8 if make == "two_stages" else 16)
+    ref = copy.deepcopy(model)
+    opt = fxrec.optimize(model, (x,))
+    flats = [n for n, _ in opt.named_parameters() if n.startswith("fxrec_fused.")]
+    assert len(flats) >= 4 and all(n.endswith(("weight", "bias")) for n in flats), flats
+    for module in (opt, ref):
+        o = torch.optim.AdamW(_no_decay_groups(module), lr=0.05)
+        torch.manual_seed(3)
+        for _ in range(3):
+            o.zero_grad()
+            module(torch.randn_like(x)).pow(2).mean().backward()
+            o.step()
+    _same_state(opt, ref)
+
+
 def test_flat_name_of_members() -> None:
     assert flat_name(["towers.0.2.bias", "towers.1.2.bias"]) == "towers_x_2_bias"
     assert flat_name(["towers.10.bias", "towers.0.bias"]) == "towers_x_bias"

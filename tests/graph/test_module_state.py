@@ -44,14 +44,18 @@ class Renorms(nn.Module):
 
 
 class RenormsByHand(nn.Module):
-    """Renormalizes a bare parameter (no module says it will): nothing to copy it from."""
+    """Renormalizes a bare parameter (no module says it will): a symbolic trace shows the
+    write before anything runs; dynamo's capture runs it first, with nothing to copy from."""
 
-    def __init__(self) -> None:
+    def __init__(self, branchy: bool = False) -> None:
         super().__init__()
+        self.branchy = branchy
         self.table = nn.Parameter(torch.randn(ROWS, D) * 3)
         self.lin = nn.Linear(D, 1)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.branchy and ids.dim() > 2:  # a branch on the input's rank: dynamo captures it
+            ids = ids.flatten(1)
         return self.lin(F.embedding(ids, self.table, max_norm=1.0).sum(1))
 
 
@@ -120,13 +124,53 @@ def test_optimize_leaves_max_norm_tables_as_they_were(bag: bool, branchy: bool) 
     _trains_like(opt, plain)
 
 
-def test_a_parameter_written_without_a_copy_is_reported() -> None:
+def test_a_parameter_a_traced_graph_writes_is_put_back() -> None:
     model = RenormsByHand()
+    plain = copy.deepcopy(model)
     with recorded("fxrec") as log:
-        fxrec.optimize(model, (_ids(4),))
+        opt = fxrec.optimize(model, (_ids(10, low=50),))
+    assert opt.fxrec_report.capture == "symbolic_trace"
+    assert not [m for m in log.messages if "in place" in m], log.messages
+    assert torch.equal(model.table, plain.table)
+    _trains_like(opt, plain)
+
+
+def test_a_parameter_written_without_a_copy_is_reported() -> None:
+    model = RenormsByHand(branchy=True)
+    with recorded("fxrec") as log:
+        opt = fxrec.optimize(model, (_ids(4),))
+    assert opt.fxrec_report.capture == "dynamo"
     written = [m for m in log.messages if "wrote parameters in place" in m]
     assert written, log.messages
     assert "(table)" in written[0] and "load_state_dict" in written[0]
+
+
+class DecaysTables(nn.Module):
+    """Tables fused into one lookup, which the forward decays in place under no_grad."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.ParameterList(nn.Parameter(torch.randn(40, D)) for _ in range(4))
+        self.head = nn.Linear(4 * D, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            for w in self.w:
+                w.mul_(0.999)
+        pooled = [F.embedding_bag(ids[:, 2 * i : 2 * i + 2], w) for i, w in enumerate(self.w)]
+        return self.head(torch.cat(pooled, 1))
+
+
+def test_members_a_forward_was_seen_writing_are_read_through_views_of_their_own() -> None:
+    """Dynamo's capture runs the forward before fxrec sees its graph: the write is noted
+    (and reported), and calls running the model as written read those members through
+    single views, which autograd lets the forward write (one split's views it does not)."""
+    torch.manual_seed(0)
+    model = DecaysTables()
+    opt = fxrec.optimize(model, (torch.randint(0, 40, (16, 8)),))
+    assert opt.fxrec_report.count("parallel_embedding") == 1
+    plain = copy.deepcopy(model)  # as optimize's first run left it
+    _trains_like(opt, plain, lambda: torch.randint(0, 40, (16, 8)))
 
 
 def test_a_submodule_deleted_then_set_again_is_set_on_the_model() -> None:
