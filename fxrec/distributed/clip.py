@@ -92,7 +92,14 @@ def _sharded_groups(model: nn.Module) -> dict[dist.ProcessGroup, list[torch.Tens
 def _local_norm(grads: list[torch.Tensor], p: float) -> torch.Tensor:
     if not grads:
         return torch.zeros((), dtype=torch.float32)
-    return torch.nn.utils.get_total_norm(grads, p).float().cpu()
+    return torch.nn.utils.get_total_norm([_dense_part(g) for g in grads], p).float().cpu()
+
+
+def _dense_part(grad: torch.Tensor) -> torch.Tensor:
+    """What a gradient's norm is taken over: a sparse gradient's (``sparse=True`` tables)
+    values once summed per row (an id repeated in the batch gives repeated rows), as norms
+    have no sparse kernels."""
+    return grad.coalesce()._values() if grad.is_sparse else grad
 
 
 def _group_norm(local: torch.Tensor, p: float, group: dist.ProcessGroup) -> torch.Tensor:

@@ -19,7 +19,8 @@ A loop that stops a pass early and goes on with a new iterator calls
 thread calls ``next()`` only during ``progress()``, so a DataLoader with persistent workers
 may reset its iterator between calls, and the pipeline starts over when it sees the reset.
 A ``run()`` between ``progress()`` calls sets their pass aside, with the batches read ahead,
-and the next ``progress()`` on its iterator goes on where it stopped.
+and the next ``progress()`` on its iterator goes on where it stopped (several passes may be
+set aside at once; :meth:`~TrainPipelineBase.end_pass` ends the current one only).
 With a sharded collection, :class:`TrainPipelineSparseDist` keeps the ranks in step when
 only one rank loses a batch (its loader fails or its data ends): the other ranks learn it
 in the id-count exchange, or in a roll call, and raise :class:`PipelineError` for that batch
@@ -233,7 +234,7 @@ class TrainPipelineBase:
                 break
         return losses
 
-    def end_pass(self) -> None:
+    def end_pass(self, dataloader_iter: Iterator[Any] | None = None) -> None:
         """End the current pass over the data early (a loop that stops before
         ``StopIteration``): nothing to do here, as this pipeline reads no batch ahead."""
         self._check_open()
@@ -252,6 +253,8 @@ _END = object()
 
 # What a pass of TrainPipelineSparseDist over one iterator holds (see its ``_set_aside``).
 _PASS_STATE = ("_source", "_thread", "_queue", "_halt", "_gate", "_copies", "_next", "_shift")
+# Passes kept aside at once (each holds a reader thread and up to ``prefetch`` batches).
+MAX_PASSES_ASIDE = 8
 
 
 @dataclass
@@ -316,10 +319,13 @@ def _read(
     copies: dict[int, int],
     poll_s: float,
     threads: int | None,
+    limit: int | None = None,
 ) -> None:
     """The reader thread of :class:`TrainPipelineSparseDist`: read, prepare and copy batches
     from ``source`` (the first one is batch ``index``) into ``q``, calling ``next()`` only
-    while ``gate`` is open, and note each batch's host-to-device copies in ``copies``.
+    while ``gate`` is open, and note each batch's host-to-device copies in ``copies``. After
+    ``limit`` batches it ends its pass without calling ``next()`` again: the rest of the
+    iterator is the caller's.
 
     It holds the pipeline weakly, and only while preparing a batch: a pipeline dropped
     without ``close()`` is collected, which stops it.
@@ -329,6 +335,12 @@ def _read(
         torch.set_num_threads(threads)  # this thread, and threads started meanwhile
     try:
         while gate.enter(stopped, poll_s):
+            if limit is not None and limit <= 0:
+                gate.leave(source)
+                _put(stopped, q, _END, poll_s)
+                return
+            if limit is not None:
+                limit -= 1
             item, exc = _next(gate, source)
             if isinstance(exc, StopIteration):
                 _put(stopped, q, _END, poll_s)
@@ -418,7 +430,7 @@ class TrainPipelineSparseDist(TrainPipelineBase):
         self._gate = _Gate()
         self._copies: dict[int, int] = {}  # batches read ahead: their host-to-device copies
         self._shift = 0  # added to the reader's batch indices (batches other passes drew)
-        self._parked: _Parked | None = None  # a pass run() interrupted
+        self._parked: list[_Parked] = []  # passes run() interrupted, oldest first
         self._thread: threading.Thread | None = None
         self._source: Iterator[Any] | None = None
         self._exhausted = False  # the source ended: progress() accepts a new iterator
@@ -455,7 +467,7 @@ class TrainPipelineSparseDist(TrainPipelineBase):
         except Exception as exc:
             return index, None, exc, "preparing and copying it"
 
-    def _start_reader(self, source: Iterator[Any], index: int) -> None:
+    def _start_reader(self, source: Iterator[Any], index: int, limit: int | None = None) -> None:
         threads = self.host_threads
         if threads is None and self.device.type == "cpu":
             threads = 1
@@ -468,7 +480,7 @@ class TrainPipelineSparseDist(TrainPipelineBase):
         args = (weakref.ref(self), lambda: closed.is_set() or halt.is_set(), self._gate)
         self._thread = threading.Thread(
             target=_read,
-            args=(*args, self._queue, source, index, self._copies, self.poll_s, threads),
+            args=(*args, self._queue, source, index, self._copies, self.poll_s, threads, limit),
             name="fxrec-pipeline-copy",
             daemon=True,
         )
@@ -506,12 +518,13 @@ class TrainPipelineSparseDist(TrainPipelineBase):
         self._next = None
         self._input_dist.discard()  # exchanges of batches read ahead that will not run
 
-    def _start(self, source: Iterator[Any]) -> None:
+    def _start(self, source: Iterator[Any], limit: int | None = None) -> None:
         self._stop_reader()
         self._source = source
         self._exhausted = self._peer_ended = False
         self._announced = False  # the first batch of a pass is agreed on in a roll call
-        self._start_reader(source, self._index)  # indices count every batch drawn, across epochs
+        # indices count every batch drawn, across epochs
+        self._start_reader(source, self._index, limit)
 
     def _take(self) -> tuple[int, Any, BaseException | None, str] | None:
         entry = self._get()
@@ -536,9 +549,9 @@ class TrainPipelineSparseDist(TrainPipelineBase):
         Each call starts ``batches`` over (``iter(batches)``); pass an iterator to go on
         where the last call stopped. A pass left under way on another iterator (by
         ``progress()`` or ``run()``) is set aside with the batches it read ahead, and resumes
-        where it stopped when its iterator comes back, as with the base pipeline. One pass is
-        kept aside: setting aside a second ends the first (its batches read ahead are
-        dropped, as by :meth:`end_pass`).
+        where it stopped when its iterator comes back, as with the base pipeline. Up to
+        ``MAX_PASSES_ASIDE`` passes are kept aside; setting aside one more ends the oldest
+        (its batches read ahead are dropped, with a warning).
         """
         self._check_open()
         if isinstance(batches, Iterator):  # go on where the last call stopped, if it is ours
@@ -550,17 +563,28 @@ class TrainPipelineSparseDist(TrainPipelineBase):
         # inside progress(), and one whose iterator is reset stops before reading it again.
         self._set_aside()
         it = iter(batches)
-        if self._is_parked(it):  # reset by iter(): the batches read ahead are stale
-            self._end_parked()
-        self._start(it)
+        if self._is_parked(it):
+            # iter() gave back an iterator a pass is under way on (an iterable that is its own
+            # iterator, or a DataLoader with persistent workers): go on with that pass, which
+            # starts over if iter() reset it, and set it aside again for its other callers.
+            try:
+                return self._run(it, max_steps)
+            finally:
+                self._set_aside()
+        # Read no batch past the ones this call trains: iter() may give back an iterator
+        # the caller holds too, which goes on after them.
+        self._start(it, limit=max_steps)
         try:
             return self._run(it, max_steps)
         finally:  # the iterator is this call's: the pass ends with it, as the base's does
             self._stop_reader()
             self._source = None
 
+    def _parked_pass(self, it: Iterator[Any]) -> _Parked | None:
+        return next((p for p in self._parked if p.state["_source"] is it), None)
+
     def _is_parked(self, it: Iterator[Any]) -> bool:
-        return self._parked is not None and self._parked.state["_source"] is it
+        return self._parked_pass(it) is not None
 
     def _set_aside(self) -> None:
         """Leave no pass under way: keep the current one (its reader and the batches it read
@@ -569,20 +593,32 @@ class TrainPipelineSparseDist(TrainPipelineBase):
             self._stop_reader()
             self._source = None
             return
-        self._end_parked()
         # Its next batch's ids were sent for the next step; a forward of another pass comes
         # first, so they are dropped, and that batch's collections send them when it resumes.
         self._input_dist.discard()
-        self._parked = _Parked({name: getattr(self, name) for name in _PASS_STATE}, self._index)
+        self._parked.append(
+            _Parked({name: getattr(self, name) for name in _PASS_STATE}, self._index)
+        )
+        if len(self._parked) > MAX_PASSES_ASIDE:
+            oldest = self._parked[0]
+            logger.warning(
+                "fxrec pipeline: more than %d passes set aside; the oldest one ends and the "
+                "batches it read ahead are dropped (a later progress() on its iterator goes on "
+                "after them). Finish passes, or end them with end_pass(iterator).",
+                MAX_PASSES_ASIDE,
+            )
+            self._end_parked(oldest)
         self._source = self._thread = self._next = None
         self._copies, self._shift = {}, 0
         self._queue, self._halt, self._gate = queue.Queue(self.prefetch), threading.Event(), _Gate()
         self._announced = False
 
-    def _resume(self) -> None:
-        """Go on with the pass set aside where it stopped; the current one is set aside."""
-        parked, self._parked = self._parked, None
+    def _resume(self, it: Iterator[Any]) -> None:
+        """Go on with the pass set aside on ``it`` where it stopped; the current one is set
+        aside."""
+        parked = self._parked_pass(it)
         assert parked is not None
+        self._parked.remove(parked)
         self._set_aside()
         for name, value in parked.state.items():
             setattr(self, name, value)
@@ -593,18 +629,19 @@ class TrainPipelineSparseDist(TrainPipelineBase):
         self._exhausted = self._peer_ended = False
         self._announced = False  # its next batch is agreed on in a roll call
 
-    def _end_parked(self) -> None:
-        """Stop the pass set aside, if any; the batches it read ahead are dropped."""
-        parked, self._parked = self._parked, None
-        if parked is None:
-            return
+    def _end_parked(self, parked: _Parked) -> None:
+        """Stop a pass set aside; the batches it read ahead are dropped."""
+        self._parked.remove(parked)
         logger.info("fxrec pipeline: a pass set aside ends; its batches read ahead are dropped")
         parked.state["_halt"].set()
         parked.state["_thread"].join(timeout=max(1.0, 20 * self.poll_s))
 
-    def end_pass(self) -> None:
-        """End the current pass over the data before its end: the batches read ahead are
-        dropped, and the next :meth:`progress` starts a new pass on the iterator it gets.
+    def end_pass(self, dataloader_iter: Iterator[Any] | None = None) -> None:
+        """End the current pass over the data before its end (or, given ``dataloader_iter``,
+        the pass on that iterator, current or set aside by a ``run()``): the batches read
+        ahead are dropped, and the next :meth:`progress` starts a new pass on the iterator it
+        gets. Other passes set aside stay, to resume when their iterators come back
+        (:meth:`close` ends them all).
 
         Call it when a loop stops before ``StopIteration`` (steps per epoch, a
         :class:`PipelineError` it breaks on) and the next pass is a new iterator. A DataLoader
@@ -613,14 +650,18 @@ class TrainPipelineSparseDist(TrainPipelineBase):
         it at the same step.
         """
         self._check_open()
-        self._stop_reader()
-        self._source = None
-        self._end_parked()
+        parked = None if dataloader_iter is None else self._parked_pass(dataloader_iter)
+        if parked is not None:
+            self._end_parked(parked)
+            return
+        if dataloader_iter is None or dataloader_iter is self._source:
+            self._stop_reader()
+            self._source = None
 
     def progress(self, dataloader_iter: Iterator[Any]) -> torch.Tensor:
         self._check_open()
         if dataloader_iter is not self._source and self._is_parked(dataloader_iter):
-            self._resume()  # the pass a run() interrupted
+            self._resume(dataloader_iter)  # a pass a run() interrupted
         if self._source is None or self._exhausted or self._was_reset(dataloader_iter):
             # The first iterator, or the next epoch's: a new one, or the same one reset (a
             # DataLoader with persistent workers returns the same iterator each epoch; one
@@ -797,6 +838,7 @@ class TrainPipelineSparseDist(TrainPipelineBase):
                 )
         while not self._queue.empty():
             self._queue.get_nowait()
-        self._end_parked()
+        for parked in list(self._parked):
+            self._end_parked(parked)
         self._input_dist.discard()
         self._input_dist.restore()

@@ -33,8 +33,9 @@ class _Ranker(nn.Module):
         return self.over(torch.cat([self.dense_arch(dense), self.ebc(sparse).values()], 1))
 
 
-def _models(row_wise: tuple[str, ...]) -> tuple[nn.Module, nn.Module]:
-    """The unsharded model, and the same model with its collection sharded."""
+def _models(row_wise: tuple[str, ...], sparse: bool = False) -> tuple[nn.Module, nn.Module]:
+    """The unsharded model, and the same model with its collection sharded (its tables'
+    gradients ``sparse`` or not)."""
     from fxrec.distributed import shard
     from fxrec.nn import EmbeddingBagCollection, EmbeddingBagConfig
 
@@ -45,6 +46,7 @@ def _models(row_wise: tuple[str, ...]) -> tuple[nn.Module, nn.Module]:
     ]
     ref = _Ranker(EmbeddingBagCollection(tables=tables))
     model = copy.deepcopy(ref)
+    model.ebc = EmbeddingBagCollection(tables=tables, sparse=sparse) if sparse else model.ebc
     model.ebc = shard(model.ebc, row_wise=row_wise)
     model.load_state_dict(ref.state_dict())
     return ref, model
@@ -88,10 +90,10 @@ def _clips_like_one_process(rank: int, world: int, mode: str, row_wise: tuple, p
     import fxrec
     from fxrec.distributed import ignore_sharded_in_ddp
 
-    ref, model = _models(row_wise)
+    ref, model = _models(row_wise, sparse=mode == "sparse")
     first = _batch(0, world)[rank]
     run = fxrec.optimize(model, (first[0], _kjt([first]))) if mode == "optimized" else model
-    ddp = DistributedDataParallel(ignore_sharded_in_ddp(run) if mode == "plain" else run)
+    ddp = DistributedDataParallel(ignore_sharded_in_ddp(run) if mode != "optimized" else run)
     sgd = torch.optim.SGD(run.parameters(), lr=0.5)
     ref_sgd = torch.optim.SGD(ref.parameters(), lr=0.5)
     for step in range(3):
@@ -132,7 +134,12 @@ def _assert_ranks_agree(weight: torch.Tensor, world: int) -> None:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     ("mode", "row_wise", "p"),
-    [("optimized", (), 2.0), ("plain", ("t1",), 2.0), ("optimized", ("t1",), math.inf)],
+    [
+        ("optimized", (), 2.0),
+        ("plain", ("t1",), 2.0),
+        ("optimized", ("t1",), math.inf),
+        ("sparse", ("t1",), 2.0),
+    ],
 )
 def test_sharded_clipping_equals_clipping_the_unsharded_model(
     mode: str, row_wise: tuple, p: float
@@ -147,3 +154,39 @@ def test_parameters_without_their_model_are_refused() -> None:
         clip_grad_norm_([w], 1.0)
     with pytest.raises(ValueError, match="norm_type"):
         clip_grad_norm_(nn.Linear(2, 2), 1.0, norm_type=0)
+
+
+class _Bags(nn.Module):
+    def __init__(self, sparse: bool) -> None:
+        super().__init__()
+        self.bags = nn.EmbeddingBag(ROWS, DIM, mode="sum", sparse=sparse)
+        self.over = nn.Linear(DIM, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.over(self.bags(ids))
+
+
+@pytest.mark.parametrize("p", [2.0, math.inf])
+def test_sparse_gradients_clip_like_their_dense_equivalent(p: float) -> None:
+    """``sparse=True`` tables (torch's clip_grad_norm_ raises on them: norms have no sparse
+    kernels); ids repeat within the batch, so their gradient rows must be summed first."""
+    torch.manual_seed(0)
+    ref, model = _Bags(sparse=False), _Bags(sparse=True)
+    model.load_state_dict(ref.state_dict())
+    sgd, ref_sgd = (torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, ref))
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        ids = torch.randint(0, ROWS // 2, (BATCH, 5), generator=g)  # repeated ids
+        norms = []
+        for m, opt, clip in ((model, sgd, clip_grad_norm_), (ref, ref_sgd, None)):
+            opt.zero_grad()
+            _loss(m(ids)).backward()
+            if clip is None:
+                norms.append(float(torch.nn.utils.clip_grad_norm_(m.parameters(), MAX_NORM, p)))
+            else:
+                norms.append(float(clip(m, MAX_NORM, p)))
+            opt.step()
+        assert norms[1] > 2 * MAX_NORM  # the step is clipped
+        assert norms[0] == pytest.approx(norms[1], rel=1e-5)
+    for key, value in ref.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[key], value, rtol=1e-5, atol=1e-6)

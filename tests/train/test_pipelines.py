@@ -525,15 +525,121 @@ def test_batch_indices_count_the_batches_of_a_run_between_progress_calls(pipelin
 
 
 @pytest.mark.timeout(60)
-def test_end_pass_stops_a_pass_set_aside():
-    batches = make_batches(KEYS, 5, seed=26)
+def test_end_pass_ends_the_current_pass_only_and_close_ends_those_set_aside():
+    batches = make_batches(KEYS, 8, seed=26)
     model, opt = fresh(KEYS)
     with TrainPipelineSparseDist(model, opt, "cpu", poll_s=0.01) as pipe:
-        it = iter(batches)
+        it, x = iter(batches), iter(batches)
         pipe.progress(it)
         reader = pipe._thread
         pipe.run(batches[:1])
         assert reader.is_alive()  # kept, with the batches it read ahead, for `it`
-        pipe.end_pass()
+        pipe.progress(x)
+        current = pipe._thread
+        pipe.end_pass()  # x's pass, not the one set aside
+        current.join(timeout=5.0)
+        assert not current.is_alive() and reader.is_alive()
+        pipe.run(batches[:1])  # `it` is still set aside
+        pipe.end_pass(it)
         reader.join(timeout=5.0)
         assert not reader.is_alive()
+        pipe.progress(it)  # goes on after the batches its ended pass read ahead
+        reader = pipe._thread
+        pipe.run(batches[:1])
+    reader.join(timeout=5.0)
+    assert not reader.is_alive()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("pipeline_cls", PIPELINES)
+def test_a_second_pass_set_aside_keeps_the_first(pipeline_cls):
+    """``run(x, max_steps)`` sets the loop's pass aside, then a ``run()`` sets ``x``'s aside:
+    both resume with the batches they read ahead (the loop's used to be dropped silently)."""
+    batches = make_batches(KEYS, 7, seed=27)
+    other = make_batches(KEYS, 3, seed=28)
+    short = make_batches(KEYS, 2, seed=29)
+    trained = batches[:2] + other[:1] + short + other[1:] + batches[2:]
+    ref_losses, ref_params = reference(trained)
+    model, opt = fresh(KEYS)
+    with pipeline_cls(model, opt, "cpu") as pipe:
+        it, x = iter(batches), iter(other)
+        losses = [float(pipe.progress(it)), float(pipe.progress(it))]
+        losses += pipe.run(x, max_steps=1)
+        losses += pipe.run(short)
+        losses += drive(pipe, x)[0]
+        losses += drive(pipe, it)[0]
+        assert pipe.stats.steps == len(trained)
+    assert_same(losses, params(model), ref_losses, ref_params)
+
+
+@pytest.mark.timeout(60)
+def test_more_passes_set_aside_than_kept_end_the_oldest(monkeypatch):
+    monkeypatch.setattr("fxrec.train.pipeline.MAX_PASSES_ASIDE", 2)
+    batches = make_batches(KEYS, 4, seed=30)
+    model, opt = fresh(KEYS)
+    with TrainPipelineSparseDist(model, opt, "cpu", poll_s=0.01) as pipe:
+        readers = []
+        for _ in range(3):
+            pipe.progress(iter(batches))
+            readers.append(pipe._thread)
+            pipe.run(batches[:1])
+        readers[0].join(timeout=5.0)
+        assert not readers[0].is_alive()
+        assert readers[1].is_alive() and readers[2].is_alive()
+
+
+class SharedIterable:
+    """An iterable whose ``iter()`` gives back the one iterator it holds, not reset (a loader
+    that is its own iterator)."""
+
+    def __init__(self, batches):
+        self.it = iter(batches)
+
+    def __iter__(self):
+        return self.it
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("pipeline_cls", PIPELINES)
+def test_run_with_max_steps_reads_no_batch_past_them(pipeline_cls):
+    """The iterator ``run(iterable, max_steps)`` draws may be the caller's too: the batches
+    after ``max_steps`` are left to it (they used to be read ahead and dropped)."""
+    batches = make_batches(KEYS, 6, seed=31)
+    ref_losses, ref_params = reference(batches)
+    model, opt = fresh(KEYS)
+    shared = SharedIterable(batches)
+    with pipeline_cls(model, opt, "cpu") as pipe:
+        losses = pipe.run(shared, max_steps=2)
+        losses += drive(pipe, shared.it)[0]
+    assert_same(losses, params(model), ref_losses, ref_params)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("pipeline_cls", PIPELINES)
+def test_run_over_an_iterable_giving_back_the_loops_iterator_goes_on_with_it(pipeline_cls):
+    batches = make_batches(KEYS, 7, seed=32)
+    ref_losses, ref_params = reference(batches)
+    model, opt = fresh(KEYS)
+    shared = SharedIterable(batches)
+    with pipeline_cls(model, opt, "cpu") as pipe:
+        losses = [float(pipe.progress(shared.it)), float(pipe.progress(shared.it))]
+        losses += pipe.run(shared, max_steps=2)
+        losses += drive(pipe, shared.it)[0]
+    assert_same(losses, params(model), ref_losses, ref_params)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("pipeline_cls", PIPELINES)
+def test_run_on_a_persistent_workers_loader_in_a_loop_over_it(pipeline_cls):
+    """``run(loader, max_steps)`` resets the loop's iterator (the same object): the loop then
+    goes on after the batches ``run`` trained (those it read ahead used to be dropped)."""
+    batches = make_batches(KEYS, 7, seed=33)
+    ref_losses, ref_params = reference(batches[:2] + batches[:2] + batches[2:])
+    model, opt = fresh(KEYS)
+    loader = _persistent_loader(batches)
+    with pipeline_cls(model, opt, "cpu") as pipe:
+        it = iter(loader)
+        losses = [float(pipe.progress(it)), float(pipe.progress(it))]
+        losses += pipe.run(loader, max_steps=2)
+        losses += drive(pipe, it)[0]
+    assert_same(losses, params(model), ref_losses, ref_params)
