@@ -637,11 +637,11 @@ class TrainPipelineSparseDist(TrainPipelineBase):
         parked.state["_thread"].join(timeout=max(1.0, 20 * self.poll_s))
 
     def end_pass(self, dataloader_iter: Iterator[Any] | None = None) -> None:
-        """End the current pass over the data before its end (or, given ``dataloader_iter``,
-        the pass on that iterator, current or set aside by a ``run()``): the batches read
-        ahead are dropped, and the next :meth:`progress` starts a new pass on the iterator it
-        gets. Other passes set aside stay, to resume when their iterators come back
-        (:meth:`close` ends them all).
+        """End the pass under way before its end: the current one or, when a ``run()`` left
+        none current, the one it set aside last (given ``dataloader_iter``: the pass on that
+        iterator, current or set aside). The batches read ahead are dropped, and the next
+        :meth:`progress` starts a new pass on the iterator it gets. Other passes set aside
+        stay, to resume when their iterators come back (:meth:`close` ends them all).
 
         Call it when a loop stops before ``StopIteration`` (steps per epoch, a
         :class:`PipelineError` it breaks on) and the next pass is a new iterator. A DataLoader
@@ -650,7 +650,11 @@ class TrainPipelineSparseDist(TrainPipelineBase):
         it at the same step.
         """
         self._check_open()
-        parked = None if dataloader_iter is None else self._parked_pass(dataloader_iter)
+        if dataloader_iter is None:
+            current = self._source is not None and not self._exhausted
+            parked = None if current or not self._parked else self._parked[-1]
+        else:
+            parked = self._parked_pass(dataloader_iter)
         if parked is not None:
             self._end_parked(parked)
             return

@@ -550,6 +550,26 @@ def test_end_pass_ends_the_current_pass_only_and_close_ends_those_set_aside():
     assert not reader.is_alive()
 
 
+def test_end_pass_after_a_run_ends_the_pass_that_run_set_aside():
+    """A loop over ``it`` that ran ``run(...)`` last, then stops early and calls
+    ``end_pass()`` as an epoch's end: no pass is current, so the one the run set aside ends
+    (its reader stopped, not kept for an iterator that never comes back)."""
+    batches = make_batches(KEYS, 8, seed=30)
+    model, opt = fresh(KEYS)
+    with TrainPipelineSparseDist(model, opt, "cpu", poll_s=0.01) as pipe:
+        readers = []
+        for _ in range(3):  # epochs
+            it = iter(batches)
+            pipe.progress(it)
+            readers.append(pipe._thread)
+            pipe.run(batches[:1])
+            pipe.end_pass()
+        for reader in readers:
+            reader.join(timeout=5.0)
+            assert not reader.is_alive()
+        assert not pipe._parked
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("pipeline_cls", PIPELINES)
 def test_a_second_pass_set_aside_keeps_the_first(pipeline_cls):
