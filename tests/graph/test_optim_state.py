@@ -78,12 +78,14 @@ def _reloaded(obj: object) -> object:
     return torch.load(buf, weights_only=True)
 
 
-def _fxrec(model_state: dict, make: Callable, order: str = FEATURES) -> tuple:
+def _fxrec(
+    model_state: dict, make: Callable, order: str = FEATURES, groups: Callable = _groups
+) -> tuple:
     model = Rec()
     model.load_state_dict(model_state)
     opt = fxrec.optimize(model, (_batch(0, order)[0],))
     assert opt.fxrec_fused.member_ids()  # tables and norms laid out
-    return model, opt, make(fxrec.param_groups(opt, _groups(model)))
+    return model, opt, make(fxrec.param_groups(opt, groups(model)))
 
 
 def _assert_same_params(got: nn.Module, want: nn.Module) -> None:
@@ -92,11 +94,13 @@ def _assert_same_params(got: nn.Module, want: nn.Module) -> None:
         torch.testing.assert_close(v, ref[k], rtol=1e-5, atol=1e-5, msg=k)
 
 
-def _plain_run(make: Callable) -> tuple[Rec, torch.optim.Optimizer, dict]:
+def _plain_run(
+    make: Callable, groups: Callable = _groups
+) -> tuple[Rec, torch.optim.Optimizer, dict]:
     """A plain job: 3 steps, a checkpoint, 3 more steps (the continuous reference)."""
     torch.manual_seed(0)
     plain = Rec()
-    o = make(_groups(plain))
+    o = make(groups(plain))
     _train(plain, o, range(3), FEATURES)
     ckpt = _reloaded({"model": plain.state_dict(), "optim": o.state_dict()})
     _train(plain, o, range(3, 6), FEATURES)
@@ -121,17 +125,11 @@ def test_a_plain_job_listing_its_groups_in_its_own_order_resumes_with_fxrec_and_
     ``fxrec.param_groups`` was given that order, so the state is matched through it, both
     ways, whatever copies of the group dicts the optimizer (or a wrapper) makes."""
     make = OPTIMIZERS["adam"]
-    torch.manual_seed(0)
-    plain = Rec()
-    o_plain = make(_reversed_groups(plain))
-    _train(plain, o_plain, range(3), FEATURES)
-    ckpt = _reloaded({"model": plain.state_dict(), "optim": o_plain.state_dict()})
-    _train(plain, o_plain, range(3, 6), FEATURES)
-    model = Rec()
-    model.load_state_dict(ckpt["model"])
-    opt = fxrec.optimize(model, (_batch(0)[0],))
-    given = fxrec.param_groups(opt, _reversed_groups(model))
-    o = make([dict(g) for g in given] if groups == "copied" else given)
+    plain, o_plain, ckpt = _plain_run(make, _reversed_groups)
+    copied = lambda given: make([dict(g) for g in given])  # noqa: E731
+    model, opt, o = _fxrec(
+        ckpt["model"], copied if groups == "copied" else make, groups=_reversed_groups
+    )
     fxrec.load_optim_state_dict(opt, o, ckpt["optim"])
     _train(opt, o, range(3, 6), FEATURES)
     _assert_same_params(model, plain)
