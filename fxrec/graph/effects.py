@@ -295,6 +295,8 @@ def _is_view(node: fx.Node) -> bool:
         return node.target in _VIEW_METHODS
     if node.op == "call_function" and node.target in _VIEW_FUNCTIONS:
         return True
+    if node.op == "call_function" and node.target is getattr and node.args[1:2] == ("data",):
+        return True  # ``p.data``: the same memory, writes unseen by autograd
     return _identity_dropout(node)
 
 

@@ -140,14 +140,16 @@ def _plain_groups(opt: Any, optimizer: torch.optim.Optimizer) -> list[list[_Entr
 _LISTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def remember_order(opt: Any, group: dict[str, Any], params: list[torch.Tensor]) -> None:
-    """``group`` (returned by ``fxrec.param_groups``) lists ``params`` of the model, in order."""
+def remember_orders(opt: Any, listed: list[tuple[dict[str, Any], list[torch.Tensor]]]) -> None:
+    """Each group returned by one ``fxrec.param_groups`` call lists these parameters of the
+    model, in order. Orders of earlier calls are dropped past 1024 groups, never this call's."""
     orders = _LISTED.setdefault(opt, {})
-    key = tuple(id(p) for p in group["params"])
-    orders.pop(key, None)
-    while len(orders) >= 64:  # recent groups only
+    for group, params in listed:
+        key = tuple(id(p) for p in group["params"])
+        orders.pop(key, None)
+        orders[key] = {id(p): i for i, p in enumerate(params)}
+    while len(orders) > max(1024, len(listed)):  # the oldest first: earlier calls'
         del orders[next(iter(orders))]
-    orders[key] = {id(p): i for i, p in enumerate(params)}
 
 
 def _piece(key: str, value: Any, e: _Entry) -> Any:

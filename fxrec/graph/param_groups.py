@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from fxrec.graph.optim_state import remember_order, track
+from fxrec.graph.optim_state import remember_orders, track
 
 __all__ = ["param_groups"]
 
@@ -50,6 +50,7 @@ def param_groups(opt: Any, groups: Iterable[Any]) -> list[dict[str, Any]]:
     where = fused.locate()
     names = {id(p): n for n, p in opt.model.named_parameters(remove_duplicate=False)}
     out: list[dict[str, Any]] = []
+    listed_params: list[list[torch.Tensor]] = []  # each group's parameters, as given
     group_of: dict[str, int] = {}  # flat parameter name -> the group it went to
     seen: set[int] = set()
     for gi, group in enumerate(listed):
@@ -69,7 +70,7 @@ def param_groups(opt: Any, groups: Iterable[Any]) -> list[dict[str, Any]]:
             elif group_of[flat] != gi:
                 raise ValueError(_split_message(names, p, where, flat, listed, group_of[flat], gi))
         out.append({**group, "params": mine})
-        remember_order(opt, out[-1], params)
+        listed_params.append(params)
     for flat in group_of:
         left = [m.tensor for f, _, m in where.values() if f == flat and id(m.tensor) not in seen]
         if left:
@@ -79,6 +80,7 @@ def param_groups(opt: Any, groups: Iterable[Any]) -> list[dict[str, Any]]:
                 "half optimized. Put it in a group (lr=0 to keep it fixed), or freeze it "
                 "before fxrec.optimize."
             )
+    remember_orders(opt, list(zip(out, listed_params)))
     return out
 
 

@@ -135,6 +135,28 @@ def test_a_parameter_a_traced_graph_writes_is_put_back() -> None:
     _trains_like(opt, plain)
 
 
+class ScalesThroughData(nn.Module):
+    """Towers on one input whose forward decays a parameter through ``.data`` (the old clamp
+    idiom), which autograd's version counter does not see."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.towers = nn.ModuleList(nn.Linear(D, D) for _ in range(4))
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.scale.data.mul_(0.9)
+        return torch.cat([t(x) for t in self.towers], 1) * self.scale
+
+
+def test_a_parameter_a_traced_graph_writes_through_data_is_put_back() -> None:
+    model = ScalesThroughData()
+    opt = fxrec.optimize(model, (torch.randn(16, D),))
+    assert opt.fxrec_report.capture == "symbolic_trace"
+    assert opt.fxrec_report.count("parallel_linear_same_input") == 1
+    assert model.scale.item() == 1.0
+
+
 def test_a_parameter_written_without_a_copy_is_reported() -> None:
     model = RenormsByHand(branchy=True)
     with recorded("fxrec") as log:

@@ -140,6 +140,40 @@ def test_a_plain_job_listing_its_groups_in_its_own_order_resumes_with_fxrec_and_
             torch.testing.assert_close(state["state"][i][k], v, rtol=1e-5, atol=1e-5)
 
 
+class ManyGroups(Rec):
+    """Rec and 70 small parameters of a group each (per-table learning rates and the like)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.extra = nn.ParameterList(nn.Parameter(torch.full((8,), 0.01 * i)) for i in range(70))
+
+    def forward(self, sparse: dict[str, torch.Tensor]) -> torch.Tensor:
+        return super().forward(sparse) + torch.stack(list(self.extra)).sum()
+
+
+def _many_groups(model: ManyGroups) -> list[dict]:
+    extra = {id(p) for p in model.extra}
+    rec = [
+        {**g, "params": [p for p in g["params"] if id(p) not in extra]}
+        for g in _reversed_groups(model)
+    ]
+    return rec + [{"params": [p]} for p in model.extra]
+
+
+def test_the_order_of_every_group_is_kept_however_many_groups() -> None:
+    torch.manual_seed(0)
+    plain = ManyGroups()
+    model = copy.deepcopy(plain)
+    o_plain = torch.optim.Adam(_many_groups(plain), lr=0.02)
+    opt = fxrec.optimize(model, (_batch(0)[0],))
+    o = torch.optim.Adam(fxrec.param_groups(opt, _many_groups(model)), lr=0.02)
+    for module, optimizer in ((plain, o_plain), (opt, o)):
+        _train(module, optimizer, range(3), FEATURES)
+    state, want = fxrec.optim_state_dict(opt, o), o_plain.state_dict()
+    for i, st in want["state"].items():
+        torch.testing.assert_close(state["state"][i]["exp_avg"], st["exp_avg"], msg=str(i))
+
+
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_fxrec_optimizer_state_resumes_in_a_plain_job(name: str) -> None:
     make = OPTIMIZERS[name]
