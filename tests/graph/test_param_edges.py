@@ -138,6 +138,7 @@ def test_a_fused_table_renormalized_by_max_norm_trains_like_the_model(
 
 
 # -- torch.jit.trace -----------------------------------------------------------------------------
+@pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")  # the int() reads it warns of
 def test_member_rows_read_while_jit_tracing_are_ints() -> None:
     """Under ``torch.jit.trace`` a size is a traced tensor; the row counts that graph code
     is built with must be Python ints, or the generated code names ``int64``."""
