@@ -34,7 +34,14 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DirectCall", "GraphRecord", "input_paths", "plain_graph_call", "unrebound_cells"]
+__all__ = [
+    "DirectCall",
+    "GraphRecord",
+    "input_paths",
+    "plain_graph_call",
+    "positional_arity",
+    "unrebound_cells",
+]
 
 # Opcodes of the code dynamo generates around one graph call: loads, calls, building the
 # output containers, local bookkeeping. Anything else (stores to attributes, globals,
@@ -149,6 +156,13 @@ def source_path(
         source = source.base
 
 
+def positional_arity(params: Sequence[str]) -> tuple[int, bool]:
+    """(how many named positional parameters, whether a last ``*name`` takes the rest) of a
+    frame's parameter names as :func:`input_paths` takes them."""
+    star = bool(params) and params[-1].startswith("*")
+    return len(params) - star, star
+
+
 def unrebound_cells(code: types.CodeType, params: Sequence[str]) -> frozenset[str]:
     """The arguments ``params`` of ``code`` held in cells (Python 3.11 makes one of an
     argument a comprehension or closure reads) that neither ``code`` nor a function nested
@@ -215,8 +229,8 @@ class DirectCall:
         self.spec = spec
         self.guards = guards  # dynamo's guards on the arguments (and global state)
         self.params = [p.lstrip("*") for p in params]
-        star = bool(params) and params[-1].startswith("*")
-        self.fixed = len(params) - 1 if star else None  # named parameters before ``*name``
+        fixed, star = positional_arity(params)
+        self.fixed = fixed if star else None  # named parameters before ``*name``
 
     def accepts(self, args: tuple) -> bool:
         """Do dynamo's guards on the arguments pass? The graph may have baked in Python

@@ -1023,9 +1023,9 @@ class _DynamoRunner:
         self.backend = backend
         self.code = code
         self.params = params
-        star = bool(params) and params[-1].startswith("*")
-        self.fixed = len(params) - star  # named positional parameters: all must be passed
-        self.star = star
+        from fxrec.compile.direct import positional_arity  # fxrec.compile imports this module
+
+        self.fixed, self.star = positional_arity(params)  # the named ones must all be passed
         self.report = report
         self.try_direct = direct
         self.direct: Any = None

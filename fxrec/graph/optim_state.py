@@ -22,9 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from fxrec.graph.params import _Member, _member_slice
+from fxrec.graph.params import _Member, _member_slice, install_step_checks, step_checks
 
 __all__ = ["load_optim_state_dict", "optim_state_dict"]
 
@@ -250,12 +249,13 @@ def _disagree(pieces: list[tuple[_Entry, Any]], what: str, got: list[Any]) -> st
 
 
 # Layout records: optimizers over an optimized module write each flat's member order into
-# their state_dict() and check it against the current layout at their next step.
+# their state_dict() and check it against the current layout at their next step. fxrec's step
+# hook meets each optimizer at its first step and gives it the hooks that do this; later steps
+# cost one set lookup, and a check runs only after a load_state_dict.
 
 _TRACKED: weakref.WeakSet = weakref.WeakSet()  # optimized modules whose layouts are recorded
-_HELD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> (sig, flats)
-_RECORDING: weakref.WeakSet = weakref.WeakSet()  # optimizers whose state_dict() records layouts
-_hook: list[Any] = []
+_HOOKED: weakref.WeakSet = weakref.WeakSet()  # optimizers given the record and load hooks
+_LOADED: weakref.WeakSet = weakref.WeakSet()  # hooked optimizers loaded since their last check
 
 
 def track(opt: Any) -> None:
@@ -263,8 +263,9 @@ def track(opt: Any) -> None:
     if getattr(opt, "fxrec_fused", None) is None:
         return
     _TRACKED.add(opt)
-    if not _hook:
-        _hook.append(register_optimizer_step_pre_hook(_check_layouts))
+    if _on_step not in step_checks:
+        step_checks.append(_on_step)
+        install_step_checks()
 
 
 def _layouts(opt: Any) -> dict[int, tuple[str, dict[str, int]]]:
@@ -285,25 +286,34 @@ def _layouts(opt: Any) -> dict[int, tuple[str, dict[str, int]]]:
 
 
 def _held(optimizer: torch.optim.Optimizer) -> list[tuple[torch.Tensor, str, dict[str, int]]]:
-    """The flat parameters ``optimizer`` holds, with their layouts (cached per optimizer)."""
-    sig = tuple((id(g["params"]), len(g["params"])) for g in optimizer.param_groups)
-    cached = _HELD.get(optimizer)
-    if cached is not None and cached[0] == sig:
-        return cached[1]
+    """The flat parameters ``optimizer`` holds, with their layouts."""
     layouts: dict[int, tuple[str, dict[str, int]]] = {}
     for opt in list(_TRACKED):
         layouts.update(_layouts(opt))
-    held = [
+    return [
         (p, *layouts[id(p)])
         for g in optimizer.param_groups
         for p in g["params"]
         if id(p) in layouts
     ]
-    if held and optimizer not in _RECORDING:  # flat parameters may come in a later group
-        optimizer.register_state_dict_post_hook(_record_layouts)
-        _RECORDING.add(optimizer)
-    _HELD[optimizer] = (sig, held)
-    return held
+
+
+def _on_step(optimizer: torch.optim.Optimizer) -> None:
+    """Before every optimizer's step: the first step hooks it (its state, loaded before, is
+    checked then); later ones check only state loaded since."""
+    if not _TRACKED:
+        return
+    if optimizer not in _HOOKED:
+        _HOOKED.add(optimizer)
+        try:
+            optimizer.register_state_dict_post_hook(_record_layouts)
+            optimizer.register_load_state_dict_post_hook(_LOADED.add)
+        except AttributeError:  # skips Optimizer.__init__ (TorchRec's KeyedOptimizer): no hooks
+            return
+    elif optimizer not in _LOADED:
+        return
+    _LOADED.discard(optimizer)
+    _check_layouts(optimizer)
 
 
 def _record_layouts(optimizer: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str, Any]:
@@ -319,11 +329,9 @@ def _record_layouts(optimizer: torch.optim.Optimizer, sd: dict[str, Any]) -> dic
     return sd
 
 
-def _check_layouts(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
-    """Step pre hook: a flat parameter's state loaded from a state_dict recorded with another
-    layout would update each member with another member's state: raise."""
-    if not _TRACKED:
-        return
+def _check_layouts(optimizer: torch.optim.Optimizer) -> None:
+    """A flat parameter's state loaded from a state_dict recorded with another layout would
+    update each member with another member's state: raise."""
     for p, name, layout in _held(optimizer):
         st = optimizer.state.get(p)
         saved = st.get(LAYOUT_KEY) if st else None

@@ -26,7 +26,7 @@ import logging
 import operator
 import re
 import weakref
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -289,6 +289,15 @@ def _watch(member: torch.Tensor, flat: torch.Tensor, slot: _Slot) -> None:
         _FLATS[fkey] = weakref.ref(flat, drop)
     _hook(member, _grad_to_flat)
     _hook(flat, _graph_grad)
+    install_step_checks()
+
+
+# Checks other modules add to the one step hook (``fxrec.graph.optim_state``'s layouts).
+step_checks: list[Callable[[torch.optim.Optimizer], None]] = []
+
+
+def install_step_checks() -> None:
+    """Run fxrec's checks before every optimizer's step (one global hook, installed once)."""
     if not _step_hook:
         from torch.optim.optimizer import register_optimizer_step_pre_hook
 
@@ -305,9 +314,11 @@ def laid_out(tensors: Sequence[torch.Tensor]) -> int:
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
-    """Before any optimizer's step: the checks below."""
+    """Before any optimizer's step: the checks below, then those in ``step_checks``."""
     _refuse_whole_tensor_optimizer(optimizer)
     _refuse_stale_optimizer(optimizer, args, kwargs)
+    for check in step_checks:
+        check(optimizer)
 
 
 def _whole_tensor_optimizers() -> tuple[type, ...]:
@@ -1226,11 +1237,10 @@ def note_graph_writes(gm: fx.GraphModule) -> None:
             written_in_place(node) or any(_renorms(u, node) for u in node.users)
         ):
             continue
-        t: object = gm
-        for part in str(node.target).split("."):
-            t = getattr(t, part, None)
-        if isinstance(t, nn.Parameter):
-            note_written(t)
+        try:
+            note_written(gm.get_parameter(str(node.target)))
+        except AttributeError:  # a buffer or constant: not a parameter to put back
+            continue
 
 
 def _writes_own(model: nn.Module) -> bool:
