@@ -36,12 +36,14 @@ def export(
     captured with dynamo raises, and ``torch.export.export(opt.model, ...)`` exports it
     unoptimized.
     """
-    from fxrec.graph.module import OptimizedModule
+    from fxrec.graph.module import OptimizedModule, _Unfused
 
     _refuse_sharded(model)
     if not isinstance(model, OptimizedModule):
         return torch.export.export(model, tuple(args), dict(kwargs or {}), **export_kwargs)
     runner, call_args, call_kwargs = model._runner(tuple(args), dict(kwargs or {}))
+    if isinstance(runner, _Unfused):  # the trace nothing rewrote: calls run the model instead
+        runner = runner.gm
     if not isinstance(runner, fx.GraphModule):
         if model._backend != "eager":
             why = f"it was optimized with backend={model._backend!r}: optimize it with the default"

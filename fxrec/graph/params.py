@@ -483,6 +483,10 @@ class FusedParameters(nn.Module):
         for root in dict.fromkeys(map(self._root, self._members)):  # the registry and the
             self._watch_members(root)  # gradient hooks are per process
 
+    def laid_out(self) -> bool:
+        """Are any parameters laid out in flat tensors? (One dict read: checked per call.)"""
+        return bool(self._members)
+
     def freeze(self) -> None:
         """No new layouts from now on: graphs built later reuse the existing ones.
 

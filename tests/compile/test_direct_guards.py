@@ -20,16 +20,17 @@ KEYS = ["f0", "f1", "f2"]
 
 
 class PerKeySums(nn.Module):
-    """Reads each feature's ids by the KJT's per-key counts (a loop dynamo captures)."""
+    """Reads each feature's ids by the KJT's per-key counts (a loop dynamo captures); two
+    Linears on one input to fuse (a graph nothing fused would run the model instead)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.lin = nn.Linear(3, 3)
+        self.lin, self.gate = nn.Linear(3, 3), nn.Linear(3, 3)
 
     def forward(self, dense: torch.Tensor, kjt: KeyedJaggedTensor) -> torch.Tensor:
         pieces = torch.split(kjt.values().float(), kjt.length_per_key())
         sums = torch.stack([p.sum() for p in pieces])  # symbolic tracing cannot iterate
-        return self.lin(dense) * sums
+        return self.lin(dense) * torch.sigmoid(self.gate(dense)) * sums
 
 
 def _kjt(lengths: list[int]) -> KeyedJaggedTensor:
@@ -46,6 +47,7 @@ def test_per_key_counts_baked_into_the_graph_are_checked() -> None:
     dense = torch.randn(3, 3)
     opt = fxrec.optimize(model, (dense, _kjt([1] * 9)))
     assert opt.fxrec_report.capture == "dynamo"
+    assert opt.fxrec_report.count("parallel_linear_same_input") == 1
     assert any("skip dynamo's guards" in n for n in opt.fxrec_report.notes)
     # nine ids in every batch, split otherwise: [3, 3, 3], then [2, 3, 4], [4, 4, 1], ...
     for lengths in ([1] * 9, [0, 1, 1, 1, 1, 1, 1, 1, 2], [2, 1, 1, 2, 1, 1, 0, 1, 0]):

@@ -45,7 +45,7 @@ def _run(fn, *shapes: tuple[int, ...], rules=FAMILY):  # type: ignore[no-untyped
     opt = fxrec.optimize(model, tuple(torch.randn(s) for s in shapes), rules=rules)
     assert opt.fxrec_report.capture == "symbolic_trace"
     opt.report = copy.deepcopy(opt.fxrec_report)  # this capture only (new batch sizes add more)
-    (opt.graph,) = [r.graph for r in opt._runners.values()]
+    (opt.graph,) = [getattr(r, "gm", r).graph for r in opt._runners.values()]  # gm: unfused
     for batch in (shapes[0][0], shapes[0][0] + 2):
         xs = [torch.randn((batch, *s[1:]), requires_grad=True) for s in shapes]
         ys = [x.detach().clone().requires_grad_() for x in xs]
