@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import inspect
 import itertools
 import logging
 import operator
+import sys
 import threading
 import types
 import warnings
@@ -107,10 +109,14 @@ def _count_registrations() -> int:
 
 
 def _signature(x: Any) -> Any:
-    """A hashable description of the inputs: dense shapes exactly, sparse inputs by keys only.
+    """A hashable description of the inputs: dense shapes exactly, sparse inputs by keys and
+    rows per key.
 
-    Sparse values change length every batch; rules never depend on that length, so jagged
-    inputs are keyed by type and keys alone.
+    Sparse values change length every batch; rules never depend on that length, so it stays
+    out. Rows per key do not: rules bake sizes derived from them into graphs (the pieces of a
+    KJT's lengths, one per key, split or stacked with fixed sizes), so a KJT's stride or
+    per-key strides, a TensorDict's batch size (or each jagged entry's rows when it has none)
+    and combined features' per-key strides key graphs too, read from host metadata.
     """
     if type(x) is torch.Tensor:  # a plain tensor's sizes are ints (the common case: fast)
         return ("T", tuple(x.shape), x.dtype, x.device.type, x.requires_grad)
@@ -119,29 +125,129 @@ def _signature(x: Any) -> Any:
         return ("T", shape, x.dtype, x.device.type, x.requires_grad)
     if isinstance(x, (list, tuple)):
         return (type(x).__name__, *(_signature(i) for i in x))
-    if isinstance(x, Mapping) and type(x) is dict:
+    if type(x) is dict:
         return ("D", *((k, _signature(v)) for k, v in x.items()))
-    keys = getattr(x, "keys", None)
-    if callable(keys):
-        try:
-            return (type(x).__name__, tuple(keys()))
-        except Exception:  # an object with an unusual keys(): type alone is enough
-            pass
-    return (
-        (type(x).__name__,) if not isinstance(x, (int, float, str, bool, type(None))) else ("V", x)
-    )
+    kind = _INPUT_KINDS.get(type(x))
+    if kind is None:
+        kind = _INPUT_KINDS[type(x)] = _input_kind(type(x))
+    return kind(x)
 
 
-def _structure(x: Any) -> Any:
-    """``_signature`` without sizes: what a graph depends on beyond the cost model's choices.
+# Rows per key of a sparse input: ``(_ROWS, rows)`` in a signature, kept by ``_structure``.
+_ROWS: Any = type("_Rows", (), {"__repr__": lambda self: "rows"})()
+_NJT = torch.nested._internal.nested_tensor.NestedTensor  # a jagged nested tensor's type
+# How each input type past tensors, sequences and dicts is described (found once per type).
+_INPUT_KINDS: dict[type, Any] = {}
 
-    Rules never bake sizes into a graph, so a graph built for one signature runs any other of
-    the same structure (keys, dtypes, ranks of tensors, constants), only perhaps less well.
+
+def _input_kind(cls: type) -> Any:
+    """The function describing inputs of type ``cls`` (sparse types by duck typing: fxrec's
+    and TorchRec's KJT, JaggedTensor and KeyedTensor alike)."""
+    td = sys.modules.get("tensordict")
+    if td is not None and issubclass(cls, td.TensorDictBase):
+        return _tensordict_signature
+    combine = sys.modules.get("fxrec.sparse.combine")
+    if combine is not None and issubclass(cls, combine.CombinedFeatures):
+        return _combined_signature
+    if issubclass(cls, Mapping):
+        return _mapping_signature
+    if all(callable(getattr(cls, a, None)) for a in ("keys", "stride_per_key", "stride")):
+        return _kjt_signature
+    if all(callable(getattr(cls, a, None)) for a in ("keys", "key_dim", "values")):
+        return _keyed_tensor_signature
+    if all(callable(getattr(cls, a, None)) for a in ("lengths_or_none", "offsets_or_none")):
+        return _jagged_signature
+    if callable(getattr(cls, "keys", None)):
+        return _keyed_signature
+    if issubclass(cls, (int, float, str, bool, type(None))):
+        return _value_signature
+    return _type_signature
+
+
+def _host_int(n: Any) -> Any:
+    return n if type(n) is int else "s"  # symbolic (export): keys as "s", as tensor sizes do
+
+
+def _kjt_signature(x: Any) -> Any:
+    variable = getattr(x, "variable_stride_per_key", None)
+    if callable(variable) and variable():
+        rows: Any = tuple(map(_host_int, x.stride_per_key()))  # host ints, cached by the KJT
+    else:
+        rows = _host_int(x.stride())
+    return (type(x).__name__, tuple(x.keys()), (_ROWS, rows))
+
+
+def _tensordict_signature(x: Any) -> Any:
+    store = getattr(x, "_tensordict", None)  # the plain dict behind a TensorDict
+    if type(store) is not dict:
+        store = dict(x.items())
+    batch = x.batch_size
+    if len(batch):  # every entry has these leading rows
+        return (type(x).__name__, tuple(store), (_ROWS, tuple(map(_host_int, batch))))
+    rows = []
+    for v in store.values():  # jagged entries by their rows (the ids' count, ragged, stays out)
+        if type(v) is not _NJT:  # weighted features, dense entries: each described on its own
+            return (type(x).__name__, tuple(store), tuple(map(_entry_signature, store.values())))
+        rows.append(_host_int(v._offsets.shape[0] - 1))
+    return (type(x).__name__, tuple(store), (_ROWS, tuple(rows)))
+
+
+def _entry_signature(v: Any) -> Any:
+    return (_ROWS, _host_int(v._offsets.shape[0] - 1)) if type(v) is _NJT else _signature(v)
+
+
+def _combined_signature(x: Any) -> Any:
+    return (type(x).__name__, x.keys, x.weights is None, (_ROWS, x.stride_per_key))
+
+
+def _jagged_signature(x: Any) -> Any:
+    lengths = x.lengths_or_none()
+    rows = lengths.shape[0] if lengths is not None else max(x.offsets_or_none().shape[0] - 1, 0)
+    return (type(x).__name__, (_ROWS, _host_int(rows)))
+
+
+def _keyed_tensor_signature(x: Any) -> Any:
+    return (type(x).__name__, tuple(x.keys()), _signature(x.values()))
+
+
+def _mapping_signature(x: Any) -> Any:
+    return (type(x).__name__, *((k, _signature(v)) for k, v in x.items()))
+
+
+def _keyed_signature(x: Any) -> Any:
+    try:
+        return (type(x).__name__, tuple(x.keys()))
+    except Exception:  # an object with an unusual keys(): type alone is enough
+        return (type(x).__name__,)
+
+
+def _value_signature(x: Any) -> Any:
+    return ("V", x)
+
+
+def _type_signature(x: Any) -> Any:
+    return (type(x).__name__,)
+
+
+@functools.lru_cache(maxsize=8 * MAX_CACHED_SIGNATURES)  # new signatures compare the cache's
+def _structure(x: Any, rows: bool = True) -> Any:
+    """``_signature`` without dense sizes: what a graph depends on beyond the cost model's
+    choices.
+
+    Rules bake no dense size into a graph, so a graph built for one signature runs any other
+    of the same structure (keys, dtypes, ranks of tensors, constants), only perhaps less well.
+    They do bake sparse inputs' rows per key, which stay (unless ``rows`` is false).
     """
+    return _without_sizes(x, rows)
+
+
+def _without_sizes(x: Any, rows: bool) -> Any:
     if isinstance(x, tuple):
-        if x and x[0] == "T":
+        if x and x[0] == "T" and type(x[1]) is tuple:  # (not a KJT's keys, "T" first)
             return ("T", len(x[1]), *x[2:])
-        return tuple(_structure(i) for i in x)
+        if x and x[0] is _ROWS:
+            return x if rows else _ROWS
+        return tuple(_without_sizes(i, rows) for i in x)
     return x
 
 
@@ -520,6 +626,24 @@ class OptimizedModule(nn.Module):
             if len(self._runners) < MAX_CACHED_SIGNATURES:
                 self._runners[key] = runner
             return runner
+        rows_free = _structure(key, False) if full else None
+        if full and any(
+            k[0] == mode
+            and not isinstance(r, _DynamoRunner)  # (dynamo captures: the overflow capture)
+            and _structure(k, False) == rows_free
+            for k, r in self._runners.items()
+        ):
+            # New rows per key of a sparse input past the cache (a variable batch per key, new
+            # on most batches): graphs bake rows in, so none of the cached ones runs them, and
+            # a build (or a dynamo compile) per batch would cost more than it saves.
+            note = (
+                f"more than {MAX_CACHED_SIGNATURES} sets of rows per key of a sparse input: "
+                "the others run the model eagerly, through the flat parameters"
+            )
+            if note not in self.fxrec_report.notes:
+                logger.info("fxrec: %s", note)
+                self.fxrec_report.note(note)
+            return _EagerRunner(self.model, self.fxrec_fused)
         # A trace follows the grad mode and autocast regions it ran in: a `with no_grad()`
         # block, or a branch on `torch.is_grad_enabled()`, leaves nothing in a trace made
         # where it changes nothing. So each mix has its own trace, as it has its own graphs.
@@ -1267,9 +1391,14 @@ def _transformed() -> bool:
     return torch._C._functorch.peek_interpreter_stack() is not None
 
 
+_NO_AUTOCAST = (None, None)
+
+
 def _autocast_state() -> tuple:
     """Which autocast regions are active, and their dtypes: graphs and direct calls built
     outside one must not serve calls inside it (and the reverse)."""
+    if not torch._C._is_any_autocast_enabled():  # the common case: one call, not four
+        return _NO_AUTOCAST
     return tuple(
         torch.get_autocast_dtype(d) if torch.is_autocast_enabled(d) else None
         for d in ("cpu", "cuda")

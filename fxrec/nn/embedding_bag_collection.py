@@ -238,6 +238,8 @@ class EmbeddingBagCollection(nn.Module):
                 "pass per-id weights (KeyedJaggedTensor(..., weights=...))."
             )
         check_dtypes(kjt.values(), weights, kjt.keys())
+        if kjt.values().is_meta:  # shape inference: no ids to read or look up
+            return KeyedTensor(self._keys, self._length_per_key, self._meta_output(batch))
         if plan.order is not None:
             kjt = gather(kjt, plan.order, weights)
             weights = kjt.weights_or_none()
@@ -282,6 +284,16 @@ class EmbeddingBagCollection(nn.Module):
             for gi, out in torch_outs.items():
                 outs[gi] = out
         return KeyedTensor(self._keys, self._length_per_key, self._assemble(outs, batch))
+
+    def _meta_output(self, batch: int) -> torch.Tensor:
+        """``[B, sum(dims)]`` on the meta device, assembled as the lookups' results are (same
+        dtype), each group's rows taken from its weight (gradients reach the weights)."""
+        outs = []
+        for gi, g in enumerate(self._layout.groups):
+            w = self.groups[gi].weight.to("meta")
+            rows = w.sum(0, keepdim=True)  # (a table may have no rows)
+            outs.append((rows.expand(len(g.members) * batch, g.dim), False))
+        return self._assemble(outs, batch)
 
     def _lookup_fbgemm(
         self,

@@ -1,10 +1,11 @@
 """Turning a collection's input into one KJT in lookup order, with the structural checks.
 
-Any accepted input (KJT, TensorDict of jagged tensors, ``dict[str, JaggedTensor]``,
-TorchRec's KJT) becomes a :class:`~fxrec.sparse.KeyedJaggedTensor` whose keys are the
-collection's members group by group (a feature read by two tables appears twice), so each
-group's ids, lengths and weights are one contiguous slice. The key bookkeeping is done once
-per distinct input key list (:class:`Plan`, cached by the collection).
+Any accepted input (KJT, TensorDict of jagged tensors, ``dict[str, JaggedTensor]``, a dict
+of jagged nested tensors, TorchRec's KJT) becomes a :class:`~fxrec.sparse.KeyedJaggedTensor`
+whose keys are the collection's members group by group (a feature read by two tables appears
+twice), so each group's ids, lengths and weights are one contiguous slice. The key
+bookkeeping is done once per distinct input key list (:class:`Plan`, cached by the
+collection).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from fxrec.nn.layout import Layout
 from fxrec.sparse import KeyedJaggedTensor, kjt_from_tensordict
 from fxrec.sparse.permute import permute_jagged
+from fxrec.sparse.tensordict_interop import is_njt
 
 __all__ = ["Plan", "as_kjt", "batch_size", "gather", "make_plan"]
 
@@ -43,6 +45,8 @@ def as_kjt(features: Any, layout: Layout, weighted: bool) -> KeyedJaggedTensor:
     if isinstance(features, KeyedJaggedTensor):
         return features
     if isinstance(features, Mapping) and not hasattr(features, "batch_size"):
+        if _holds_njts(features, layout):  # read as a TensorDict's entries are
+            return kjt_from_tensordict(features, keys=list(layout.features))
         return _from_jt_dict(features, layout, weighted)
     if hasattr(features, "batch_size") and hasattr(features, "keys"):  # a TensorDict
         return kjt_from_tensordict(features, keys=list(layout.features))
@@ -52,8 +56,23 @@ def as_kjt(features: Any, layout: Layout, weighted: bool) -> KeyedJaggedTensor:
         return from_torchrec(features)
     raise ValueError(
         f"EmbeddingBagCollection takes a KeyedJaggedTensor, a TensorDict of jagged tensors or "
-        f"a dict of JaggedTensors, got {type(features).__name__}."
+        f"a dict of JaggedTensors or of jagged nested tensors, got {type(features).__name__}."
     )
+
+
+def _holds_njts(features: Mapping[str, Any], layout: Layout) -> bool:
+    """Whether a dict's features are jagged nested tensors (or weighted ``{"values",
+    "weights"}`` dicts of them) rather than JaggedTensors; a mix raises."""
+    read = [f for f in layout.features if f in features]
+    njt = [f for f in read if is_njt(features[f]) or isinstance(features[f], Mapping)]
+    if njt and len(njt) != len(read):
+        other = [f for f in read if f not in njt]
+        raise ValueError(
+            f"features {njt[:5]} are jagged nested tensors but {other[:5]} are not; a dict of "
+            "features holds either JaggedTensors or jagged nested tensors (layout=torch.jagged) "
+            "for every feature."
+        )
+    return bool(njt)
 
 
 def _from_jt_dict(features: Mapping[str, Any], layout: Layout, weighted: bool) -> KeyedJaggedTensor:
@@ -65,7 +84,10 @@ def _from_jt_dict(features: Mapping[str, Any], layout: Layout, weighted: bool) -
     jts = [features[f] for f in order]
     for f, jt in zip(order, jts):
         if not hasattr(jt, "lengths") or not hasattr(jt, "values"):
-            raise ValueError(f"feature {f!r}: expected a JaggedTensor, got {type(jt).__name__}.")
+            raise ValueError(
+                f"feature {f!r}: expected a JaggedTensor or a jagged nested tensor, got "
+                f"{type(jt).__name__}."
+            )
         if weighted and jt.weights_or_none() is None:
             raise ValueError(
                 f"feature {f!r} has no weights but the collection is weighted "

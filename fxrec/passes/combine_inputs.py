@@ -37,7 +37,7 @@ import operator
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.fx as fx
@@ -55,6 +55,7 @@ from fxrec.sparse import (
     kjt_to_tensordict,
     to_torchrec,
 )
+from fxrec.sparse import validation as V
 from fxrec.sparse.tensordict_interop import JaggedParts, join_values, tensordict_parts
 
 logger = logging.getLogger(__name__)
@@ -80,12 +81,118 @@ class _Slot:
 
 # -- host side -----------------------------------------------------------------------------
 
+_PER_FEATURE = (_TENSORS, _JT, _JT_DICT)  # kinds that hold one set of tensors per feature
+
+
+class _Loose(NamedTuple):
+    """The per-feature tensors of one argument (or of consecutive tensor features), not yet
+    joined: the packer joins them all at once and checks them on the joined tensors, instead
+    of building and validating a JaggedTensor and a KJT per feature (tens of microseconds
+    each)."""
+
+    keys: tuple[str, ...]
+    values: list[torch.Tensor]
+    lengths: list[torch.Tensor]
+    weights: list[torch.Tensor | None]
+
+
+@dataclass(frozen=True)
+class _TensorRun:
+    """Consecutive tensor features (slots of kind "tensors"): their argument positions, to
+    gather them in one go."""
+
+    keys: tuple[str, ...]
+    values: tuple[int, ...]
+    lengths: tuple[int, ...]
+    weights: tuple[int, ...]  # -1: unweighted
+
+    def gather(self, args: Sequence[Any]) -> _Loose:
+        return _Loose(
+            self.keys,
+            [args[p] for p in self.values],
+            [args[p] for p in self.lengths],
+            [args[p] if p >= 0 else None for p in self.weights],
+        )
+
+
+def _plan(slots: Sequence[_Slot]) -> list[_Slot | _TensorRun]:
+    """The sparse slots in packing order, consecutive tensor features merged into runs."""
+    plan: list[_Slot | _TensorRun] = []
+    run: list[_Slot] = []
+    for s in [*slots, None]:
+        if s is not None and s.kind == _DENSE:
+            continue  # no features: a run goes on across it
+        if s is not None and s.kind == _TENSORS:
+            run.append(s)
+            continue
+        if run:
+            keys = tuple(k for r in run for k in r.keys)
+            pv, pl, pw = (tuple(r.positions[j] for r in run) for j in range(3))
+            plan.append(_TensorRun(keys, pv, pl, pw))
+            run = []
+        if s is not None:
+            plan.append(s)
+    return plan
+
+
+def _loose_of(slot: _Slot, args: Sequence[Any]) -> _Loose:
+    """A per-feature slot's tensors, as given (checked by the packer once joined)."""
+    if slot.kind == _TENSORS:
+        pv, pl, pw = slot.positions
+        return _Loose(slot.keys, [args[pv]], [args[pl]], [args[pw] if pw >= 0 else None])
+    if slot.kind == _JT:
+        jt = args[slot.positions[0]]
+        if not isinstance(jt, JaggedTensor):
+            raise ValueError(f"argument {slot.keys[0]!r} must be a JaggedTensor.")
+        jts = [jt]
+    else:
+        d = args[slot.positions[0]]
+        if not isinstance(d, Mapping):
+            raise ValueError(f"argument {slot.positions[0]} must be a dict of JaggedTensor.")
+        try:
+            jts = [d[k] for k in slot.keys]
+        except KeyError:
+            missing = [k for k in slot.keys if k not in d]
+            raise ValueError(
+                f"features {missing[:5]} are missing from the dict argument."
+            ) from None
+        for k, jt in zip(slot.keys, jts):
+            if not isinstance(jt, JaggedTensor):
+                raise ValueError(
+                    f"feature {k!r} of the dict argument {slot.positions[0]} must be a "
+                    f"JaggedTensor, got {type(jt).__name__}."
+                )
+    return _Loose(
+        slot.keys,
+        [jt.values() for jt in jts],
+        [jt.lengths() for jt in jts],
+        [jt.weights_or_none() for jt in jts],
+    )
+
+
+def _kjts_of(part: _Loose) -> list[KeyedJaggedTensor]:
+    """One validated KJT per feature (when validation is on): the checks the packer makes on
+    the joined tensors, made feature by feature, to say which feature is wrong and how."""
+    out = []
+    for k, v, ln, w in zip(part.keys, part.values, part.lengths, part.weights):
+        try:
+            jt = JaggedTensor(v, w, lengths=ln)
+            out.append(KeyedJaggedTensor.from_jt_dict({k: jt}))
+        except ValueError as exc:
+            msg = str(exc)
+            raise ValueError(
+                msg if msg.startswith("feature ") else f"feature {k!r}: {msg}"
+            ) from None
+    return out
+
 
 def _chunk_of(
     slot: _Slot, args: Sequence[Any]
 ) -> KeyedJaggedTensor | JaggedParts | list[KeyedJaggedTensor]:
     """The slot's features as KJT(s), zero-copy for a KJT argument; a TensorDict's as its
     :class:`~fxrec.sparse.tensordict_interop.JaggedParts`, copied once, by the packer."""
+    if slot.kind in _PER_FEATURE:
+        return _kjts_of(_loose_of(slot, args))
     if slot.kind in (_KJT, _TR_KJT):
         kjt = args[slot.positions[0]]
         if slot.kind == _TR_KJT and _is_torchrec_kjt(kjt):
@@ -99,34 +206,12 @@ def _chunk_of(
         if tuple(kjt.keys()) != slot.keys:
             kjt = kjt.permute(_index(kjt.keys(), slot.keys, "KeyedJaggedTensor"))
         return kjt
-    if slot.kind == _TD:
-        td = args[slot.positions[0]]
-        if not isinstance(td, TensorDictBase):
-            raise ValueError(
-                f"argument {slot.positions[0]} must be a TensorDict, got {type(td).__name__}."
-            )
-        return tensordict_parts(td, slot.keys)
-    if slot.kind == _JT_DICT:
-        d = args[slot.positions[0]]
-        if not isinstance(d, Mapping):
-            raise ValueError(f"argument {slot.positions[0]} must be a dict of JaggedTensor.")
-        missing = [k for k in slot.keys if k not in d]
-        if missing:
-            raise ValueError(f"features {missing[:5]} are missing from the dict argument.")
-        # one chunk per feature: a dict may mix weighted and unweighted features
-        return [KeyedJaggedTensor.from_jt_dict({k: d[k]}) for k in slot.keys]
-    if slot.kind == _JT:
-        jt = args[slot.positions[0]]
-        if not isinstance(jt, JaggedTensor):
-            raise ValueError(f"argument {slot.keys[0]!r} must be a JaggedTensor.")
-        return KeyedJaggedTensor.from_jt_dict({slot.keys[0]: jt})
-    pv, pl, pw = slot.positions
-    weights = args[pw] if pw >= 0 else None
-    try:
-        jt = JaggedTensor(args[pv], weights, lengths=args[pl])  # validates (when enabled)
-    except ValueError as exc:
-        raise ValueError(f"feature {slot.keys[0]!r}: {exc}") from None
-    return KeyedJaggedTensor.from_jt_dict({slot.keys[0]: jt})
+    td = args[slot.positions[0]]
+    if not isinstance(td, TensorDictBase):
+        raise ValueError(
+            f"argument {slot.positions[0]} must be a TensorDict, got {type(td).__name__}."
+        )
+    return tensordict_parts(td, slot.keys)
 
 
 def _is_torchrec_kjt(value: Any) -> bool:
@@ -145,6 +230,23 @@ def _index(have: Sequence[str], want: Sequence[str], what: str) -> list[int]:
     return [pos[k] for k in want]
 
 
+@dataclass
+class _Pieces:
+    """What the packer joins, feature after feature, before joining it."""
+
+    spk: list[int] = dataclasses.field(default_factory=list)  # rows per feature
+    lpk: list[int] = dataclasses.field(default_factory=list)  # ids per feature
+    values: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    lengths: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    weights: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    # KJT / TensorDict parts' tensors and their features, to name one of a wrong dtype
+    owners: dict[str, list[tuple[list[str], torch.Tensor]]] = dataclasses.field(
+        default_factory=lambda: {"ids": [], "lengths": []}
+    )
+    loose: list[_Loose] = dataclasses.field(default_factory=list)
+    loose_at: list[int] = dataclasses.field(default_factory=list)  # their features' positions
+
+
 class InputPacker:
     """Host side of :func:`combine_inputs`: the model's arguments -> the new module's.
 
@@ -152,6 +254,9 @@ class InputPacker:
     the dense (non-jagged) entries of TensorDict arguments, if any;
     ``packer.unpack(*new_args)`` gives the original arguments back (the round trip). Pack in the data loader (or a pipeline's
     ``host_fn``), then move ``features`` with ``features.to(device)``: 2 copies, 3 if weighted.
+    Per-feature tensors (tensor features, JaggedTensors, dicts of them) are joined with one
+    ``cat`` each and checked once on the joined tensors, with one host read; only when a
+    check fails are the features checked one by one, to name the wrong one.
     """
 
     def __init__(
@@ -162,6 +267,7 @@ class InputPacker:
         self.keys = tuple(k for s in self.slots for k in s.keys)
         self.weighted = tuple(weighted)  # per feature, in self.keys order
         self._dtypes = dtypes  # (values, lengths, weights) dtypes of the example batch
+        self._plan = _plan(self.slots)
 
     @property
     def dense_positions(self) -> tuple[int, ...]:
@@ -180,66 +286,186 @@ class InputPacker:
             raise ValueError(
                 f"the packer takes the model's {self.num_args} arguments, got {len(args)}."
             )
-        chunks: list[KeyedJaggedTensor | JaggedParts] = []
-        for s in self.slots:
-            if s.kind != _DENSE:
-                got = _chunk_of(s, args)
-                chunks += got if isinstance(got, list) else [got]
-        features = self._combine(chunks)
+        parts = [
+            s.gather(args)
+            if isinstance(s, _TensorRun)
+            else _loose_of(s, args)
+            if s.kind in _PER_FEATURE
+            else _chunk_of(s, args)
+            for s in self._plan
+        ]
+        features = self._combine(parts)
         return (*(args[p] for p in self.dense_positions), *self._td_entries(args), features)
 
-    def _combine(self, chunks: list[KeyedJaggedTensor | JaggedParts]) -> CombinedFeatures:
-        spk: list[int] = []
-        lpk: list[int] = []
-        values: list[torch.Tensor] = []
-        lengths: list[torch.Tensor] = []
-        weights: list[torch.Tensor] = []
-        owners: dict[str, list[tuple[list[str], torch.Tensor]]] = {"ids": [], "lengths": []}
-        any_weighted = any(self.weighted)
-        i = 0
-        for chunk in chunks:
-            p = chunk if isinstance(chunk, JaggedParts) else JaggedParts.of_kjt(chunk)
-            per_key = len(p.values) == len(p.keys)
-            owners["ids"] += (
-                [([k], v) for k, v in zip(p.keys, p.values)]
-                if per_key
-                else [(list(p.keys), p.values[0])]
-            )
-            owners["lengths"].append((list(p.keys), p.lengths))
-            for k in p.keys:
-                if (p.weights is not None) != self.weighted[i]:
-                    state = "has" if p.weights is not None else "has no"
-                    raise ValueError(
-                        f"feature {k!r} {state} weights in this batch but not in the example "
-                        "batch the model was combined for; every batch must agree."
-                    )
-                i += 1
-            spk += p.stride_per_key
-            lpk += p.length_per_key
-            values += p.values
-            lengths.append(p.lengths)
-            if p.weights is not None:
-                weights += p.weights
-            elif any_weighted:
-                n = sum(p.length_per_key)
-                weights.append(torch.ones(n, dtype=self._dtypes[2], device=p.lengths.device))
+    def _combine(self, parts: list[Any]) -> CombinedFeatures:
+        """One values, lengths (and weights) tensor for all parts, in order; per-feature
+        tensors (:class:`_Loose`) are checked once, on the joined tensors."""
+        acc = _Pieces()
+        for part in parts:
+            if isinstance(part, _Loose):
+                self._add_loose(acc, part)
+            else:
+                self._add_keyed(
+                    acc, part if isinstance(part, JaggedParts) else JaggedParts.of_kjt(part)
+                )
         for name, dtype in (("ids", self._dtypes[0]), ("lengths", self._dtypes[1])):
-            bad = [(keys, t.dtype) for keys, t in owners[name] if t.dtype != dtype]
+            bad = [(keys, t.dtype) for keys, t in acc.owners[name] if t.dtype != dtype]
             if bad:
                 keys, got = bad[0]
+                raise _dtype_error(keys[0], name, got, dtype)
+        if acc.loose:
+            self._check_loose(acc.loose)
+        try:
+            joined = (
+                _cat(acc.values),
+                _cat(acc.lengths),
+                _cat(acc.weights) if any(self.weighted) else None,
+            )
+        except (RuntimeError, TypeError):  # e.g. features on different devices
+            self._explain(acc.loose)
+            raise
+        if acc.loose and any(t is not None and t.dim() != 1 for t in joined):
+            self._explain(acc.loose)
+            raise ValueError("the per-feature tensors must be 1-D (one id per position).")
+        if acc.loose and V.validation_enabled():
+            self._check_counts(acc, *joined)
+        return CombinedFeatures(self.keys, *joined, tuple(acc.spk), tuple(acc.lpk))
+
+    def _add_loose(self, acc: _Pieces, part: _Loose) -> None:
+        """Per-feature tensors, as given: their sizes are host metadata (no reads)."""
+        i, n = len(acc.spk), len(part.keys)
+        self._check_weighted(part.keys, [w is not None for w in part.weights], i)
+        acc.loose.append(part)
+        acc.loose_at += range(i, i + n)
+        try:
+            acc.spk += [t.shape[0] for t in part.lengths]
+            acc.lpk += [t.shape[0] for t in part.values]
+        except (AttributeError, IndexError, TypeError):  # not tensors, or 0-d ones
+            self._explain(acc.loose)
+            raise
+        acc.values += part.values
+        acc.lengths += part.lengths
+        if any(self.weighted):
+            counts = acc.lpk[i:]
+            plain = [c for c, w in zip(counts, part.weights) if w is None]
+            if plain:  # one tensor of ones, sliced, for the features without weights
+                dev = part.lengths[0].device
+                ones = torch.ones(max(plain), dtype=self._dtypes[2], device=dev)
+            acc.weights += [ones[:c] if w is None else w for c, w in zip(counts, part.weights)]
+
+    def _add_keyed(self, acc: _Pieces, p: JaggedParts) -> None:
+        """A KJT's or TensorDict's features, checked when they were built."""
+        if len(p.values) == len(p.keys):
+            acc.owners["ids"] += [([k], v) for k, v in zip(p.keys, p.values)]
+        else:
+            acc.owners["ids"].append((list(p.keys), p.values[0]))
+        acc.owners["lengths"].append((list(p.keys), p.lengths))
+        self._check_weighted(p.keys, [p.weights is not None] * len(p.keys), len(acc.spk))
+        acc.spk += p.stride_per_key
+        acc.lpk += p.length_per_key
+        acc.values += p.values
+        acc.lengths.append(p.lengths)
+        if p.weights is not None:
+            acc.weights += p.weights
+        elif any(self.weighted):
+            n = sum(p.length_per_key)
+            acc.weights.append(torch.ones(n, dtype=self._dtypes[2], device=p.lengths.device))
+
+    def _check_weighted(self, keys: Sequence[str], has: list[bool], start: int) -> None:
+        """Each feature has weights in this batch exactly when it had in the example."""
+        if has == list(self.weighted[start : start + len(has)]):
+            return
+        for j, (k, h) in enumerate(zip(keys, has)):
+            if h != self.weighted[start + j]:
+                state = "has" if h else "has no"
                 raise ValueError(
-                    f"feature {keys[0]!r}: {name} of dtype {got}, but the model was combined "
-                    f"for {dtype} (every feature's {name} share one tensor). Cast them in the "
-                    "data loader."
+                    f"feature {k!r} {state} weights in this batch but not in the example "
+                    "batch the model was combined for; every batch must agree."
                 )
-        return CombinedFeatures(
-            self.keys,
-            _cat(values),
-            _cat(lengths),
-            _cat(weights) if any_weighted else None,
-            tuple(spk),
-            tuple(lpk),
-        )
+
+    def _check_loose(self, loose: list[_Loose]) -> None:
+        """Per-feature tensors of the example's dtypes (weights: floating point), checked as
+        sets over all features (whether they are 1-D shows on the joined tensors)."""
+        ids_dtype, lengths_dtype, _ = self._dtypes
+        try:
+            ok = self._same_dtypes(loose, ids_dtype, lengths_dtype)
+        except AttributeError:  # not tensors
+            ok = False
+        if not ok:
+            self._explain(loose)
+            raise ValueError("the per-feature tensors do not have the example batch's dtypes.")
+
+    @staticmethod
+    def _same_dtypes(loose: list[_Loose], ids_dtype: Any, lengths_dtype: Any) -> bool:
+        ok = {v.dtype for p in loose for v in p.values} == {ids_dtype}
+        ok = ok and {t.dtype for p in loose for t in p.lengths} == {lengths_dtype}
+        if ok and V.validation_enabled():
+            ok = all(
+                d.is_floating_point
+                for d in {t.dtype for p in loose for t in p.weights if t is not None}
+            )
+        return ok
+
+    def _check_counts(
+        self,
+        acc: _Pieces,
+        values: torch.Tensor,
+        lengths: torch.Tensor,
+        weights: torch.Tensor | None,
+    ) -> None:
+        """One device, one weight per id, lengths >= 0 that count each feature's ids: checked
+        on the joined tensors with one host read (the features' id counts are known)."""
+        loose, spk, lpk = acc.loose, acc.spk, acc.lpk
+        if lengths.device != values.device or (
+            weights is not None and weights.device != values.device
+        ):
+            self._explain(loose)
+            raise ValueError(
+                f"the features' ids are on {values.device} but their lengths on "
+                f"{lengths.device}{'' if weights is None else f', weights on {weights.device}'}; "
+                "move them to one device."
+            )
+        if weights is not None and any(
+            w is not None and w.shape[0] != v.shape[0]
+            for p in loose
+            for v, w in zip(p.values, p.weights)
+        ):
+            self._explain(loose)
+            raise ValueError("a weighted feature has not one weight per id.")
+        try:
+            per_key = V.check_lengths_values(lengths, values.shape[0], self.keys, spk)
+        except ValueError:
+            self._explain(loose)
+            raise
+        if per_key == lpk:
+            return
+        bad = next((j for j in acc.loose_at if per_key[j] != lpk[j]), None)
+        if bad is not None:
+            self._explain(loose)
+            raise ValueError(
+                f"feature {self.keys[bad]!r}: lengths sum to {per_key[bad]} but it has "
+                f"{lpk[bad]} ids; its lengths must count exactly its ids."
+            )
+
+    def _explain(self, loose: list[_Loose]) -> None:
+        """Raise the error of the first wrong feature among ``loose``, checked one by one:
+        taken only when a check of the joined tensors failed, to name the feature."""
+        for part in loose:
+            _kjts_of(part)  # with validation on: the full per-feature checks and messages
+        ids_dtype, lengths_dtype, _ = self._dtypes
+        for part in loose:
+            for k, v, ln, w in zip(part.keys, part.values, part.lengths, part.weights):
+                for name, t, dtype in (("ids", v, ids_dtype), ("lengths", ln, lengths_dtype)):
+                    if not isinstance(t, torch.Tensor) or t.dim() != 1:
+                        raise ValueError(
+                            f"feature {k!r}: {name} must be a 1-D tensor, got {_describe(t)}."
+                        )
+                    if t.dtype != dtype:
+                        raise _dtype_error(k, name, t.dtype, dtype)
+                if w is not None and (not isinstance(w, torch.Tensor) or w.dim() != 1):
+                    raise ValueError(
+                        f"feature {k!r}: weights must be a 1-D tensor, got {_describe(w)}."
+                    )
 
     def unpack(self, *new_args: Any) -> tuple[Any, ...]:
         """The original arguments from ``(*dense_args, features)`` (the packer's inverse)."""
@@ -274,6 +500,19 @@ class InputPacker:
                 if pw >= 0:
                     out[pw] = jt.weights()
         return tuple(out)
+
+
+def _dtype_error(key: str, name: str, got: torch.dtype, want: torch.dtype) -> ValueError:
+    return ValueError(
+        f"feature {key!r}: {name} of dtype {got}, but the model was combined for {want} "
+        f"(every feature's {name} share one tensor). Cast them in the data loader."
+    )
+
+
+def _describe(t: Any) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"a tensor of shape {tuple(t.shape)}"
+    return type(t).__name__
 
 
 def _cat(parts: list[torch.Tensor]) -> torch.Tensor:

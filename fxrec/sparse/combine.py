@@ -1,10 +1,10 @@
 """Combined input features (seed 000 §3.1), host side: many features, one tensor each.
 
-``pack_features`` turns a KJT, a TensorDict or a dict of JaggedTensors into a
-:class:`CombinedFeatures`: ONE values tensor, ONE lengths tensor, optionally ONE weights
-tensor, plus host metadata (keys, rows and ids per feature). Moving it to the device is one
-copy per tensor (``pin_memory()`` then ``to(device, non_blocking=True)``) instead of two or
-three per feature; on the device ``torch.ops.fxrec.permute_and_split`` (see
+``pack_features`` turns a KJT, a TensorDict or a dict of JaggedTensors (or of jagged nested
+tensors) into a :class:`CombinedFeatures`: ONE values tensor, ONE lengths tensor, optionally
+ONE weights tensor, plus host metadata (keys, rows and ids per feature). Moving it to the
+device is one copy per tensor (``pin_memory()`` then ``to(device, non_blocking=True)``)
+instead of two or three per feature; on the device ``torch.ops.fxrec.permute_and_split`` (see
 :mod:`fxrec.sparse.ops`) recovers each feature in any order.
 
 Validation happens here, on the host, before any device work.
@@ -152,6 +152,8 @@ def pack_features(
             kjt = kjt.permute([idx[k] for k in keys])
     elif isinstance(features, TensorDictBase):
         kjt = kjt_from_tensordict(features, keys)
+    elif isinstance(features, Mapping) and _holds_njts(features, keys):
+        kjt = kjt_from_tensordict(features, keys)  # read as a TensorDict's entries are
     elif isinstance(features, Mapping):
         names = list(features) if keys is None else list(keys)
         missing = [k for k in names if k not in features]
@@ -163,8 +165,8 @@ def pack_features(
             kjt = kjt.permute([idx[k] for k in names])
     else:
         raise ValueError(
-            f"pack_features takes a KeyedJaggedTensor, a TensorDict or a dict of JaggedTensor, "
-            f"got {type(features).__name__}."
+            f"pack_features takes a KeyedJaggedTensor, a TensorDict or a dict of JaggedTensor or "
+            f"of jagged nested tensors, got {type(features).__name__}."
         )
     weights = kjt.weights_or_none()
     return CombinedFeatures(
@@ -175,6 +177,14 @@ def pack_features(
         tuple(kjt.stride_per_key()),
         tuple(kjt.length_per_key()),
     )
+
+
+def _holds_njts(features: Mapping[str, Any], keys: Sequence[str] | None) -> bool:
+    """A dict of jagged nested tensors (a TensorDict's entries), not of JaggedTensors."""
+    from fxrec.sparse.tensordict_interop import is_njt
+
+    names = list(features) if keys is None else [k for k in keys if k in features]
+    return any(is_njt(features[k]) or isinstance(features[k], Mapping) for k in names)
 
 
 def combined_to_kjt(cf: CombinedFeatures, keys: Sequence[str] | None = None) -> KeyedJaggedTensor:

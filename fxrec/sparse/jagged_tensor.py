@@ -34,7 +34,7 @@ class JaggedTensor(metaclass=SparseMeta):
     ) -> None:
         if lengths is None and offsets is None:
             raise ValueError("JaggedTensor needs lengths or offsets to delimit the bags.")
-        if V.validation_enabled():
+        if V.validation_enabled() and not getattr(values, "is_meta", False):  # no data to read
             lengths = _validate_jt(values, weights, lengths, offsets)
         self._values = values
         self._weights = weights

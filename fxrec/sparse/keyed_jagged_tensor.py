@@ -67,7 +67,7 @@ class KeyedJaggedTensor(metaclass=SparseMeta):
             None if stride_per_key is None else [int(s) for s in stride_per_key],
             None if length_per_key is None else [int(n) for n in length_per_key],
         )
-        if V.validation_enabled():
+        if V.validation_enabled() and not getattr(values, "is_meta", False):  # no data to read
             self._validate()
 
     def _init(

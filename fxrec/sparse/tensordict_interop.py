@@ -28,18 +28,22 @@ work short of the joins, for a caller that copies the features once into its own
 
 A pipeline's host stage can convert ahead of the step with :func:`prepare_kjt`; the model's
 own ``kjt_from_tensordict`` on that TensorDict then returns the prepared KJT.
+
+The same entries are read from a plain dict, and from per-sample TensorDicts lazily stacked
+into a batch (each feature read as one NJT). On the ``meta`` device nothing is read back:
+NJTs are taken as dense, with their values' counts, for shape inference.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any
 
 import torch
-from tensordict import TensorDict, TensorDictBase
+from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 
 from fxrec.sparse import validation as V
 from fxrec.sparse.keyed_jagged_tensor import KeyedJaggedTensor
@@ -211,7 +215,7 @@ def prepared_kjts(td: Any) -> list[KeyedJaggedTensor]:
     return [kjt for _, _, kjt in cache.values()] if cache else []
 
 
-def _lookup(td: TensorDictBase, keys: list[str], entries: list[Any]) -> KeyedJaggedTensor | None:
+def _lookup(td: Any, keys: list[str], entries: list[Any]) -> KeyedJaggedTensor | None:
     cache = getattr(td, "__dict__", {}).get(_PREPARED)
     if not cache:
         return None
@@ -228,22 +232,79 @@ def _lookup(td: TensorDictBase, keys: list[str], entries: list[Any]) -> KeyedJag
 # -- TensorDict -> KJT ---------------------------------------------------------------------------
 
 
-def _entries(td: TensorDictBase, keys: Sequence[str]) -> list[Any]:
+def _entries(td: TensorDictBase | Mapping[str, Any], keys: Sequence[str]) -> list[Any]:
+    if isinstance(td, LazyStackedTensorDict):
+        return _stacked_entries(td, keys)
     store = getattr(td, "_tensordict", None)  # plain dict behind a TensorDict: no per-key checks
     if not isinstance(store, dict):
-        store = dict(td.items())
+        store = td if isinstance(td, dict) else dict(td.items())
     try:
         return [store[k] for k in keys]
     except KeyError:
-        missing = [k for k in keys if k not in store]
+        raise _missing(keys, store, "TensorDict" if hasattr(td, "batch_size") else "dict") from None
+
+
+def _missing(keys: Sequence[str], store: Mapping[str, Any], where: str) -> ValueError:
+    """Names the absent features; points nested groups (``td["user"]["a"]``) to a flat TD."""
+    missing = [k for k in keys if k not in store]
+    text = f"features {missing[:5]} are not in the {where} (it has {list(store)[:10]})."
+    groups = [k for k, e in store.items() if _is_group(e)]
+    if groups:
+        text += (
+            f" {groups[:5]} are nested groups of features, which are not read: flatten them "
+            f'(td.flatten_keys(".") names their features "{groups[0]}.<feature>") and use '
+            "those names as the tables' feature names, or give each feature a top-level key."
+        )
+    return ValueError(text)
+
+
+def _is_group(e: Any) -> bool:
+    """A sub-TensorDict (or dict) that is not a weighted feature's ``{"values", "weights"}``."""
+    return isinstance(e, Mapping) and set(e.keys()) != {"values", "weights"}
+
+
+def _stacked_entries(td: LazyStackedTensorDict, keys: Sequence[str]) -> list[Any]:
+    """Per-sample TensorDicts lazily stacked into a batch: each feature read as one NJT.
+
+    tensordict refuses a plain ``get`` of ragged entries (and stacks equal-length ones into a
+    dense tensor); ``get(..., as_nested_tensor=True, layout=torch.jagged)`` gives the NJT,
+    with offsets from 0, for any lengths.
+    """
+    if td.stack_dim != 0 or td.batch_dims != 1:
         raise ValueError(
-            f"features {missing[:5]} are not in the TensorDict (it has {list(store)[:10]})."
-        ) from None
+            f"a LazyStackedTensorDict of batch_size {list(td.batch_size)} stacked on dim "
+            f"{td.stack_dim} is not read: stack per-sample TensorDicts (batch_size=[]) on dim 0, "
+            "or convert each feature with td.get(key, as_nested_tensor=True, layout=torch.jagged) "
+            "into a TensorDict of batch_size [B]."
+        )
+    have = set(td.keys())
+    if any(k not in have for k in keys):
+        raise _missing(keys, dict.fromkeys(have), "TensorDict")
+    first = td.tensordicts[0] if td.tensordicts else None
+    out = []
+    for k in keys:
+        try:
+            if first is not None and isinstance(first.get(k), TensorDictBase):
+                parts = {f: _stacked_njt(td, (k, f)) for f in ("values", "weights")}
+                out.append(TensorDict(parts, batch_size=td.batch_size))
+            else:
+                out.append(_stacked_njt(td, k))
+        except (RuntimeError, KeyError) as e:
+            raise ValueError(
+                f"feature {k!r}: the samples' entries do not stack into a jagged nested tensor "
+                f"({e}); give each sample a 1-D tensor of ids (a {{'values', 'weights'}} "
+                "sub-TensorDict of two 1-D tensors for a weighted feature)."
+            ) from e
+    return out
+
+
+def _stacked_njt(td: LazyStackedTensorDict, key: str | tuple[str, str]) -> torch.Tensor:
+    return td.get(key, as_nested_tensor=True, layout=torch.jagged)
 
 
 def _split_weighted(key: str, e: Any) -> tuple[Any, Any]:
-    if isinstance(e, TensorDictBase):
-        store = getattr(e, "_tensordict", None)  # plain dict: no per-get checks
+    if isinstance(e, Mapping):  # a sub-TensorDict (or, in a plain dict, a dict)
+        store = e if isinstance(e, dict) else getattr(e, "_tensordict", None)
         if isinstance(store, dict) and "values" in store and "weights" in store:
             return store["values"], store["weights"]
         keys = set(e.keys())  # (``get`` of a missing key gives None in newer tensordict)
@@ -251,7 +312,8 @@ def _split_weighted(key: str, e: Any) -> tuple[Any, Any]:
             raise ValueError(
                 f"feature {key!r}: a sub-TensorDict entry is a weighted feature, "
                 f'{{"values": ids_njt, "weights": weights_njt}}; got keys {sorted(map(str, keys))}. '
-                "Nested groups of features are not read: give each feature a top-level key."
+                'Nested groups of features are not read: flatten them (td.flatten_keys(".")) '
+                "or give each feature a top-level key."
             )
         return e.get("values"), e.get("weights")
     return e, None
@@ -267,16 +329,21 @@ def _bad_entry(key: str, njt: Any, what: str = "ids") -> ValueError:
     )
 
 
-def kjt_from_tensordict(td: TensorDictBase, keys: Sequence[str] | None = None) -> KeyedJaggedTensor:
+def kjt_from_tensordict(
+    td: TensorDictBase | Mapping[str, Any], keys: Sequence[str] | None = None
+) -> KeyedJaggedTensor:
     """A KeyedJaggedTensor with the features ``keys`` (default: all, in the TD's order).
 
     Keeps weights (sub-TensorDict ``{"values", "weights"}`` entries) and per-feature batch
     sizes. Raises ``ValueError`` naming the feature for malformed entries. Returns the KJT
-    :func:`prepare_kjt` kept for these keys, if any.
+    :func:`prepare_kjt` kept for these keys, if any. ``td`` may also be a plain dict of the
+    same entries (each feature's rows are its NJT's), or per-sample TensorDicts stacked with
+    ``LazyStackedTensorDict.lazy_stack(samples)``.
     """
     keys = list(td.keys()) if keys is None else list(keys)
-    for log in _recorders:
-        log.append((td, keys))
+    if _recorders and isinstance(td, TensorDictBase):  # (a plain dict cannot be prepared)
+        for log in _recorders:
+            log.append((td, keys))
     if not keys:
         return KeyedJaggedTensor.empty()
     entries = _entries(td, keys)
@@ -333,7 +400,9 @@ def tensordict_parts(td: TensorDictBase, keys: Sequence[str] | None = None) -> J
     return parts
 
 
-def _convert(td: TensorDictBase, keys: list[str], entries: list[Any]) -> KeyedJaggedTensor:
+def _convert(
+    td: TensorDictBase | Mapping[str, Any], keys: list[str], entries: list[Any]
+) -> KeyedJaggedTensor:
     if not keys:
         return KeyedJaggedTensor.empty()
     p = _parts(td, keys, entries)
@@ -376,9 +445,13 @@ def _check_parts(p: JaggedParts) -> None:
                 V.check_weights(w, v, k)
 
 
-def _parts(td: TensorDictBase, keys: list[str], entries: list[Any]) -> JaggedParts:
-    # A TensorDict's batch_size binds every entry's first dim: one batch size for all keys.
-    batch = int(td.batch_size[0]) if len(td.batch_size) else None
+def _parts(
+    td: TensorDictBase | Mapping[str, Any], keys: list[str], entries: list[Any]
+) -> JaggedParts:
+    # A TensorDict's batch_size binds every entry's first dim: one batch size for all keys
+    # (a plain dict has none: each NJT's rows count).
+    size = getattr(td, "batch_size", None)
+    batch = int(size[0]) if size else None
     if set(map(type, entries)) == {_NJT}:  # one C-level pass: the common, unweighted case
         values, lengths, spk, lpk = _concat(keys, entries, batch)
         weights = None
@@ -419,7 +492,7 @@ def _weighted(
         weights = [w._values for w in wts]
     else:
         weights, w_lengths, _, _ = _concat(keys, wts, batch)
-        if not torch.equal(w_lengths, lengths):
+        if not lengths.is_meta and not torch.equal(w_lengths, lengths):  # (meta: no numbers)
             raise ValueError(
                 "the weights' offsets differ from the ids' offsets; build each weights NJT "
                 "with the ids' offsets (nested_tensor_from_jagged(weights, ids.offsets()))."
@@ -449,6 +522,8 @@ def _concat(
     offs = [n._offsets for n in njts]
     vals = [n._values for n in njts]
     spk = [batch] * len(njts) if batch is not None else [o.shape[0] - 1 for o in offs]
+    if offs and offs[0].is_meta:
+        return _meta_lengths(keys, njts, offs, vals, spk)
     if any(n._lengths is not None for n in njts):
         return _concat_slow(keys, njts, spk)
     validate = V.validation_enabled()
@@ -456,6 +531,25 @@ def _concat(
     # stall for milliseconds).
     with single_threaded():
         return _lengths_from_offsets(keys, njts, offs, vals, spk, validate)
+
+
+def _meta_lengths(
+    keys: list[str],
+    njts: list[Any],
+    offs: list[torch.Tensor],
+    vals: list[torch.Tensor],
+    spk: list[int],
+) -> tuple[list[torch.Tensor], torch.Tensor, list[int], list[int]]:
+    """Meta-device NJTs (shape inference) hold no offsets to read or check: each is taken as
+    dense (offsets from 0 to its values' count, as every NJT without lengths is built)."""
+    holed = [k for k, n in zip(keys, njts) if n._lengths is not None]
+    if holed:
+        raise ValueError(
+            f"features {holed[:5]}: meta-device NJTs with lengths (holes, as torch.nested.narrow "
+            "makes) have no known id count; build them from offsets only."
+        )
+    lengths = torch.cat([o[1:] - o[:-1] for o in offs])
+    return vals, lengths, spk, [v.shape[0] for v in vals]
 
 
 def _lengths_from_offsets(

@@ -21,7 +21,12 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import fxrec
-from fxrec.compile.checkpoint import checkpoint_nodes, checkpointed, keep_rng, note_unfused
+from fxrec.compile.checkpoint import (
+    call_checkpoint,
+    checkpoint_nodes,
+    checkpointed,
+    note_unfused,
+)
 from fxrec.graph.effects import is_random
 from fxrec.graph.report import Report
 from tests.compile.helpers import dynamo_graph
@@ -107,24 +112,28 @@ def test_nested_checkpointed_dropout_trains_like_the_plain_model(entry: str) -> 
 
 
 def test_a_region_with_dropout_draws_and_keeps_its_rng() -> None:
-    """Randomness inside a region is seen through the higher-order op's body; only regions
-    that draw are rewritten (an eval-mode region is left to the op)."""
+    """Randomness inside a region is seen through the higher-order op's body; a region that
+    draws keeps the RNG state for its recomputation, one that draws nothing (eval mode)
+    does not need to."""
     x = torch.randn(4, 16, requires_grad=True)
     gm, _ = dynamo_graph(CheckpointedTowers(False), x)
     (region,) = checkpoint_nodes(gm.graph)
     assert is_random(region)
-    assert keep_rng(gm) == 1 and region.target is checkpointed
+    assert call_checkpoint(gm) == 1 and region.target is checkpointed
+    assert "preserve_rng_state" not in region.kwargs  # checkpoint's default: kept
     assert any(is_random(n) for n in gm.graph.nodes)  # still seen as drawing once rewritten
 
     gm, _ = dynamo_graph(CheckpointedTowers(False).eval(), x)
     (region,) = checkpoint_nodes(gm.graph)
     assert not is_random(region)
-    assert keep_rng(gm) == 0 and region.target is not checkpointed
+    assert call_checkpoint(gm) == 1 and region.target is checkpointed
+    assert region.kwargs["preserve_rng_state"] is False
 
 
 def test_the_backend_knows_a_checkpointed_graph_draws() -> None:
     be = fxrec.compile_backend("eager")
-    torch.compile(CheckpointedTowers(True), backend=be)(torch.randn(4, 16))
+    x = torch.randn(4, 16, requires_grad=True)  # (reentrant: PyTorch warns on inputs without)
+    torch.compile(CheckpointedTowers(True), backend=be)(x)
     assert be.draws
 
 

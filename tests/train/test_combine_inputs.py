@@ -584,3 +584,273 @@ class DenseOnlyFeatures(nn.Module):
     def forward(self, td):
         kjt = _kjt_of(td)
         return self.bag(kjt["f0"].values(), kjt["f0"].offsets()) / td.numel()
+
+
+# -- per-feature inputs: joined once, checked once ------------------------------------------
+# The packer joins the per-feature tensors of tensor / JaggedTensor / dict-of-JaggedTensor
+# arguments with one cat each and checks them on the joined tensors (one host read); it must
+# give exactly what building one checked KJT per feature gave, and name the wrong feature.
+
+
+class MixedForms(nn.Module):
+    """Tensor features a (weighted) and b, a dict of JaggedTensors {x, y (weighted)}, a
+    JaggedTensor, and a KJT: every way a feature can arrive, in one forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bags = nn.ModuleDict(
+            {k: nn.EmbeddingBag(NUM_EMB, 3, mode="sum") for k in ("a", "b", "x", "y", "s", "k")}
+        )
+        self.over = nn.Linear(2 + 3 * 6, 1)
+
+    def _bag(self, key, ids, lengths, weights=None):  # type: ignore[no-untyped-def]
+        return self.bags[key](ids, torch.cumsum(lengths, 0) - lengths, per_sample_weights=weights)
+
+    def forward(self, dense, ids_a, len_a, w_a, ids_b, len_b, feats, solo, kjt):  # type: ignore[no-untyped-def]
+        x, y, k = feats["x"], feats["y"], kjt["k"]
+        parts = [
+            dense,
+            self._bag("a", ids_a, len_a, w_a),
+            self._bag("b", ids_b, len_b),
+            self._bag("x", x.values(), x.lengths()),
+            self._bag("y", y.values(), y.lengths(), y.weights()),
+            self._bag("s", solo.values(), solo.lengths()),
+            self._bag("k", k.values(), k.lengths()),
+        ]
+        return self.over(torch.cat(parts, 1))
+
+
+def _bag_tensors(batch, g, weighted=False):  # type: ignore[no-untyped-def]
+    lengths = torch.randint(0, 4, (batch,), generator=g)
+    ids = torch.randint(0, NUM_EMB, (int(lengths.sum()),), generator=g)
+    return ids, lengths, (torch.rand(ids.numel(), generator=g) if weighted else None)
+
+
+def _mixed_batch(batch, g):  # type: ignore[no-untyped-def]
+    ids_a, len_a, w_a = _bag_tensors(batch, g, weighted=True)
+    ids_b, len_b, _ = _bag_tensors(batch, g)
+    x, y, s = (_bag_tensors(batch, g, weighted=w) for w in (False, True, False))
+    feats = {"x": JaggedTensor(x[0], lengths=x[1]), "y": JaggedTensor(y[0], y[2], lengths=y[1])}
+    solo = JaggedTensor(s[0], lengths=s[1])
+    kjt = make_kjt(["k"], batch, g, weighted=False, vbe=False)
+    dense = torch.randn(batch, 2, generator=g)
+    return (dense, ids_a, len_a, w_a, ids_b, len_b, feats, solo, kjt)
+
+
+def test_mixed_per_feature_inputs_train_like_the_plain_model():
+    import copy
+
+    g = torch.Generator().manual_seed(7)
+    torch.manual_seed(7)
+    model = MixedForms()
+    plain = copy.deepcopy(model)
+    new, packer = combine_inputs(
+        model,
+        _mixed_batch(4, g),
+        features={"a": ("ids_a", "len_a", "w_a"), "b": ("ids_b", "len_b")},
+    )
+    assert packer.keys == ("a", "b", "x", "y", "solo", "k") and n_split_nodes(new) == 1
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (plain, new)]
+    for batch in (5, 3, 6):  # fresh batches, of other sizes than the example
+        args = _mixed_batch(batch, g)
+        check_same(plain, new, args, packer(*args))
+        for m, opt, call in ((plain, opts[0], args), (new, opts[1], packer(*args))):
+            opt.zero_grad()
+            m(*call).sum().backward()
+            opt.step()
+    want, got = dict(plain.named_parameters()), dict(new.named_parameters())
+    assert want.keys() == got.keys()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=0, atol=0)
+
+
+class ReadsAll(nn.Module):
+    """Reads every argument it is given (the packer, not the model, is under test)."""
+
+    def forward(self, *xs):  # type: ignore[no-untyped-def]
+        return torch.stack([x.float().sum() for x in xs]).sum()
+
+
+def _dict_reader(keys):  # type: ignore[no-untyped-def]
+    src = "def forward(self, d):\n    return " + " + ".join(
+        f"d[{k!r}].values().float().sum()" for k in keys
+    )
+    ns: dict = {}
+    exec(src + "\n", ns)
+    return torch.fx.symbolic_trace(type("ReadsDict", (nn.Module,), {"forward": ns["forward"]})())
+
+
+def _per_feature_packer(form, feats):  # type: ignore[no-untyped-def]
+    """(packer, its arguments) for ``feats`` = [(key, ids, lengths, weights or None)] given
+    as tensor arguments or as a dict of JaggedTensors."""
+    if form == "dict":
+        d = {k: JaggedTensor(v, w, lengths=ln) for k, v, ln, w in feats}
+        return combine_inputs(_dict_reader(list(d)), [d])[1], [d]
+    args, names = [], {}
+    for k, v, ln, w in feats:
+        names[k] = [len(args), len(args) + 1] + ([len(args) + 2] if w is not None else [])
+        args += [v, ln] + ([w] if w is not None else [])
+    gm, arg_names = traced_with_names(ReadsAll(), len(args))
+    features = {k: [arg_names[i] for i in idx] for k, idx in names.items()}
+    return combine_inputs(gm, args, features=features)[1], args
+
+
+def _per_feature_kjts(feats):  # type: ignore[no-untyped-def]
+    """What the combined features must equal: one checked KJT per feature, joined."""
+    kjts = [
+        KeyedJaggedTensor.from_jt_dict({k: JaggedTensor(v, w, lengths=ln)}) for k, v, ln, w in feats
+    ]
+    any_w = any(w is not None for *_, w in feats)
+    weights = [
+        kj.weights() if kj.weights_or_none() is not None else torch.ones(kj.values().numel())
+        for kj in kjts
+    ]
+    return (
+        torch.cat([kj.values() for kj in kjts]),
+        torch.cat([kj.lengths() for kj in kjts]),
+        torch.cat(weights) if any_w else None,
+        tuple(kj.stride() for kj in kjts),
+        tuple(n for kj in kjts for n in kj.length_per_key()),
+    )
+
+
+@st.composite
+def per_feature_inputs(draw):  # type: ignore[no-untyped-def]
+    """Features of their own batch sizes (0 included), empty ones, weighted or not."""
+    n = draw(st.integers(1, 7))
+    ids_dtype = draw(st.sampled_from([torch.int64, torch.int32]))
+    lengths_dtype = draw(st.sampled_from([torch.int64, torch.int32]))
+    feats = []
+    for i in range(n):
+        lens = draw(st.lists(st.integers(0, 3), min_size=0, max_size=5))
+        if draw(st.booleans()) and lens:
+            lens = [0] * len(lens)  # an empty feature
+        total = sum(lens)
+        ids = torch.tensor(
+            draw(st.lists(st.integers(0, NUM_EMB - 1), min_size=total, max_size=total)),
+            dtype=ids_dtype,
+        )
+        w = torch.rand(total) if draw(st.booleans()) else None
+        feats.append((f"f{i}", ids, torch.tensor(lens, dtype=lengths_dtype), w))
+    return feats
+
+
+@settings(deadline=None, max_examples=40)
+@given(feats=per_feature_inputs(), form=st.sampled_from(["tensors", "dict"]))
+def test_packed_per_feature_inputs_equal_per_feature_kjts(feats, form):
+    packer, args = _per_feature_packer(form, feats)
+    cf = packer(*args)[-1]
+    values, lengths, weights, spk, lpk = _per_feature_kjts(feats)
+    assert cf.keys == tuple(k for k, *_ in feats)
+    for got, want in ((cf.values, values), (cf.lengths, lengths), (cf.weights, weights)):
+        assert (got is None) == (want is None)
+        if want is not None:
+            assert got.dtype == want.dtype and torch.equal(got, want)
+    assert cf.stride_per_key == spk and cf.length_per_key == lpk
+    back = packer.unpack(*packer(*args))
+    if form == "tensors":
+        for a, b in zip(args, back):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "form,weighted,kernels",
+    [("tensors", "none", 5), ("tensors", "all", 6), ("dict", "none", 5), ("dict", "half", 7)],
+)
+def test_packing_per_feature_inputs_takes_kernels_independent_of_the_feature_count(
+    form, weighted, kernels
+):
+    # 2 cats (3 weighted) joining the features, a sum and a min checking their lengths, a cat
+    # for the one host read of both, and, mixing weighted and unweighted features, one tensor
+    # of ones: however many features (per-feature checks were ~9 kernels per feature).
+    from fxrec.measure import count_kernels
+
+    g = torch.Generator().manual_seed(0)
+    for n in (3, 12):
+        feats = []
+        for i in range(n):
+            w = weighted == "all" or (weighted == "half" and i % 2 == 0)
+            feats.append((f"f{i}", *_bag_tensors(6, g, weighted=w)))
+        packer, args = _per_feature_packer(form, feats)
+        counts = count_kernels(lambda: packer(*args), backward=False)  # noqa: B023
+        assert counts.forward == kernels, counts.forward_ops
+
+
+def _four_tensor_features(g):  # type: ignore[no-untyped-def]
+    feats = [(f"f{i}", *_bag_tensors(4, g, weighted=i == 3)) for i in range(4)]
+    return feats, *_per_feature_packer("tensors", feats)
+
+
+def _with(args, feats, key, **change):  # type: ignore[no-untyped-def]
+    """``args`` with one feature's ids / lengths / weights replaced."""
+    out = list(args)
+    pos = 0
+    for k, _v, _ln, w in feats:
+        if k == key:
+            for j, part in enumerate(("ids", "lengths", "weights")):
+                if part in change:
+                    out[pos + j] = change[part]
+        pos += 3 if w is not None else 2
+    return out
+
+
+def test_bad_per_feature_tensors_are_refused_naming_the_feature():
+    g = torch.Generator().manual_seed(1)
+    feats, packer, args = _four_tensor_features(g)
+    ids2, len2 = feats[2][1], feats[2][2]
+    neg = len2.clone()  # same sum, one negative length
+    neg[0], neg[1] = int(len2[0]) + int(len2[1]) + 1, -1
+    cases = [
+        (dict(lengths=neg), r"feature 'f2': .*negative length"),
+        (dict(lengths=len2 + 1), r"feature 'f2': .*lengths sum to"),
+        (dict(ids=ids2.float()), r"feature 'f2': .*integers"),
+        (dict(ids=ids2.int()), r"feature 'f2': ids of dtype torch\.int32"),
+        (dict(lengths=len2.int()), r"feature 'f2': lengths of dtype torch\.int32"),
+        (dict(ids=ids2.view(-1, 1)), r"feature 'f2': .*1-D"),
+        (dict(ids=ids2.tolist()), r"feature 'f2': .*tensor"),
+    ]
+    for change, message in cases:
+        with pytest.raises(ValueError, match=message):
+            packer(*_with(args, feats, "f2", **change))
+    w3 = feats[3][3]
+    with pytest.raises(ValueError, match=r"feature 'f3': weights must be 1-D with one weight"):
+        packer(*_with(args, feats, "f3", weights=w3[:-1] if w3.numel() else torch.ones(1)))
+    with pytest.raises(ValueError, match=r"feature 'f3': weights must be floating point"):
+        packer(*_with(args, feats, "f3", weights=w3.long()))
+    packer(*args)  # the good batch still packs
+
+
+def test_bad_dict_features_are_refused_naming_the_feature():
+    g = torch.Generator().manual_seed(2)
+    feats = [(f"f{i}", *_bag_tensors(4, g, weighted=i == 0)) for i in range(3)]
+    packer, (d,) = _per_feature_packer("dict", feats)
+    f1 = d["f1"]
+    cases = [
+        (JaggedTensor._make(f1.values().float(), None, f1.lengths(), None), "integers"),
+        (JaggedTensor._make(f1.values(), None, f1.lengths() + 1, None), "lengths sum to"),
+        (f1.values(), "must be a JaggedTensor"),
+    ]
+    for bad, message in cases:
+        with pytest.raises(ValueError, match=rf"feature 'f1'.*{message}"):
+            packer({**d, "f1": bad})
+    with pytest.raises(ValueError, match=r"feature 'f1' has weights in this batch but not"):
+        packer(
+            {
+                **d,
+                "f1": JaggedTensor(
+                    f1.values(), torch.ones(f1.values().numel()), lengths=f1.lengths()
+                ),
+            }
+        )
+
+
+def test_without_validation_per_feature_inputs_are_still_checked_for_dtypes():
+    from fxrec.sparse import validation_disabled
+
+    g = torch.Generator().manual_seed(3)
+    feats, packer, args = _four_tensor_features(g)
+    with validation_disabled():
+        cf = packer(*args)[-1]
+        assert cf.length_per_key == tuple(v.numel() for _, v, *_ in feats)
+        with pytest.raises(ValueError, match=r"feature 'f1': ids of dtype torch\.int32"):
+            packer(*_with(args, feats, "f1", ids=feats[1][1].int()))

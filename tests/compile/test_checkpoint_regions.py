@@ -1,0 +1,270 @@
+"""Checkpointed regions run eagerly as the model runs them: its variant and its options.
+
+Dynamo captures both variants of ``torch.utils.checkpoint`` as one
+``tag_activation_checkpoint`` op, whose eager implementation always runs non-reentrant and
+passes the region's parameters as inputs: with a reentrant region whose input needs no
+gradient, PyTorch gives the region's parameters none, while the op trained them (the loss
+drifted from the model's within a few steps). It also ran each region node by node through
+``fx.Interpreter`` under selective-checkpoint dispatch modes, about twice the model's step
+time on small towers. Graphs that run eagerly call ``checkpoint`` itself on every region,
+with the model's ``use_reentrant``, ``preserve_rng_state``, ``determinism_check`` and
+``context_fn``.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
+
+import fxrec
+from fxrec.compile.checkpoint import call_checkpoint, checkpoint_nodes, checkpointed
+from fxrec.measure import count_kernels
+from tests.compile.helpers import dynamo_graph
+
+# PyTorch's warnings for a reentrant region whose inputs need no gradient, and for a
+# checkpoint called without ``use_reentrant``: the model and fxrec's run warn alike
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad"),
+    pytest.mark.filterwarnings("ignore:torch.utils.checkpoint. the use_reentrant parameter"),
+]
+
+TOL = 1e-5
+D, N, B = 8, 3, 16
+
+
+class Towers(nn.Module):
+    """One checkpointed tower per region on ``x``; per-slice LayerNorm + tanh of ``z``
+    outside the regions (rules fuse those: the graph runs, not the model); then a head."""
+
+    def __init__(self, reentrant: bool | None, p: float = 0.0, outside: bool = True, **options):
+        super().__init__()
+        self.options = dict(options)
+        if reentrant is not None:
+            self.options["use_reentrant"] = reentrant
+        self.outside = outside
+        self.towers = nn.ModuleList(
+            nn.Sequential(
+                nn.Linear(D, D), nn.LayerNorm(D), nn.ReLU(), nn.Dropout(p), nn.Linear(D, D)
+            )
+            for _ in range(N)
+        )
+        self.norms = nn.ModuleList(nn.LayerNorm(D) for _ in range(N))
+        self.head = nn.Linear((2 if outside else 1) * N * D, 1)
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        feats = []
+        if self.outside:
+            feats = [torch.tanh(n(part)) for n, part in zip(self.norms, z.split(D, 1))]
+        outs = [checkpoint(t, x, **self.options) for t in self.towers]
+        return self.head(torch.cat(feats + outs, 1)).squeeze(1)
+
+
+def _optimized(model: nn.Module, args: tuple) -> tuple[nn.Module, Callable[[], dict]]:
+    opt = fxrec.optimize(model, args)
+    assert opt.fxrec_report.count() > 0  # rules fired: calls run fxrec's graph
+    return opt, lambda: opt.fxrec_fused.grads(model)
+
+
+def _compiled(model: nn.Module, args: tuple) -> tuple[nn.Module, Callable[[], dict]]:
+    compiled = torch.compile(model, backend=fxrec.compile_backend("eager"), dynamic=False)
+    return compiled, lambda: {n: p.grad for n, p in model.named_parameters()}
+
+
+ENTRY_POINTS = {"optimize": _optimized, "compile_backend_eager": _compiled}
+
+
+def _inputs(x_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(B, D, requires_grad=x_grad), torch.randn(B, N * D)
+
+
+def _step(module: nn.Module, optim: torch.optim.Optimizer, args: tuple, seed: int) -> Any:
+    optim.zero_grad(set_to_none=True)
+    leaves = [a.detach().clone().requires_grad_(a.requires_grad) for a in args]
+    torch.manual_seed(seed)  # the same dropout masks for both, if both draw alike
+    out = module(*leaves)
+    (out * torch.linspace(0.5, 1.5, out.numel())).pow(2).mean().backward()
+    return out.detach(), [a.grad for a in leaves]
+
+
+def _assert_same_grad(got: torch.Tensor | None, want: torch.Tensor | None, name: str) -> None:
+    assert (got is None) == (want is None), f"{name}: gradient {got} where the model has {want}"
+    if want is not None:
+        torch.testing.assert_close(got, want, rtol=TOL, atol=TOL, msg=name)
+
+
+def _trains_like_plain(model: nn.Module, entry: str, x_grad: bool) -> None:
+    """Three SGD steps on fresh inputs, the same seeds: outputs, every parameter's gradient
+    (or its absence), the inputs' gradients, and the parameters after each step."""
+    ref = copy.deepcopy(model)
+    run, grads = ENTRY_POINTS[entry](model, _inputs(x_grad))
+    o_run = torch.optim.SGD(run.parameters(), lr=0.5)
+    o_ref = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for seed in range(3):
+        args = _inputs(x_grad)
+        (got, got_in), (want, want_in) = (
+            _step(run, o_run, args, seed),
+            _step(ref, o_ref, args, seed),
+        )
+        torch.testing.assert_close(got, want, rtol=TOL, atol=TOL)
+        for i, (g, w) in enumerate(zip(got_in, want_in)):
+            _assert_same_grad(g, w, f"input {i}")
+        got_grads = grads()
+        for name, p in ref.named_parameters():
+            _assert_same_grad(got_grads.get(name), p.grad, name)
+        o_run.step()
+        o_ref.step()
+        state = run.state_dict()
+        for name, p in ref.state_dict().items():
+            key = name if name in state else f"_orig_mod.{name}"  # torch.compile's wrapper
+            torch.testing.assert_close(state[key], p, rtol=TOL, atol=TOL, msg=name)
+
+
+@pytest.mark.parametrize("entry", sorted(ENTRY_POINTS))
+@pytest.mark.parametrize("p", [0.0, 0.3], ids=["no_dropout", "dropout"])
+@pytest.mark.parametrize("x_grad", [False, True], ids=["input_no_grad", "input_grad"])
+@pytest.mark.parametrize(
+    "reentrant", [False, True, None], ids=["non_reentrant", "reentrant", "default"]
+)
+def test_checkpointed_towers_train_like_the_plain_model(
+    entry: str, p: float, x_grad: bool, reentrant: bool | None
+) -> None:
+    """Reentrant (explicit or PyTorch's default) with an input needing no gradient: the
+    towers get none, as in the model."""
+    _trains_like_plain(Towers(reentrant, p), entry, x_grad)
+
+
+def _save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    if op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+OPTIONS = {
+    "no_rng_state": {"preserve_rng_state": False},
+    "no_determinism_check": {"determinism_check": "none"},
+    "selective": {
+        "context_fn": functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
+    },
+}
+
+
+@pytest.mark.parametrize("entry", sorted(ENTRY_POINTS))
+@pytest.mark.parametrize("option", sorted(OPTIONS))
+def test_checkpoint_options_are_kept(entry: str, option: str) -> None:
+    """Without the RNG state kept, the recomputation draws new masks: in the model too."""
+    _trains_like_plain(Towers(False, 0.3, **OPTIONS[option]), entry, x_grad=True)
+
+
+def test_a_reentrant_region_keeps_no_rng_state_option() -> None:
+    _trains_like_plain(Towers(True, 0.3, preserve_rng_state=False), "optimize", x_grad=True)
+
+
+def _kernels(module: nn.Module, args: tuple) -> tuple[int, int]:
+    def fresh() -> list[torch.Tensor]:  # no input gradient left to accumulate into
+        return [a.detach().clone().requires_grad_(a.requires_grad) for a in args]
+
+    module(*fresh())  # compiled before counting
+    count = count_kernels(module, *fresh())
+    return count.forward, count.backward
+
+
+KERNEL_CASES = {  # use_reentrant, input needs a gradient, options
+    "non_reentrant": (False, True, {}),
+    "reentrant": (True, True, {}),
+    "reentrant_input_no_grad": (True, False, {}),
+    "selective": (False, True, OPTIONS["selective"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(KERNEL_CASES))
+def test_kernels_equal_the_models(case: str) -> None:
+    """Nothing to fuse: the regions' forward, recomputation and backward launch what the
+    model launches (no recomputation and no tower backward for a reentrant region whose
+    input needs no gradient; saved matmuls not recomputed)."""
+    reentrant, x_grad, options = KERNEL_CASES[case]
+    model = Towers(reentrant, outside=False, **options)
+    compiled = torch.compile(
+        copy.deepcopy(model), backend=fxrec.compile_backend("eager"), dynamic=False
+    )
+    args = _inputs(x_grad)
+    assert _kernels(compiled, args) == _kernels(model, args)
+
+
+def test_every_region_calls_checkpoint() -> None:
+    """Regions drawing nothing run through ``checkpoint`` too (not node by node through
+    PyTorch's op), without keeping the RNG state; nested regions too."""
+
+    class Nested(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner, self.outer = nn.Linear(D, D), nn.Linear(D, D)
+
+        def block(self, x: torch.Tensor) -> torch.Tensor:
+            return self.outer(checkpoint(self.inner, x, use_reentrant=False))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return checkpoint(self.block, x, use_reentrant=True)
+
+    gm, _ = dynamo_graph(Nested(), torch.randn(B, D, requires_grad=True))
+    (region,) = checkpoint_nodes(gm.graph)
+    assert call_checkpoint(gm) == 2 and region.target is checkpointed
+    assert region.kwargs == {"use_reentrant": True, "preserve_rng_state": False}
+    assert checkpoint_nodes(gm.graph) == [region]  # still a region once rewritten
+    assert call_checkpoint(gm) == 0
+
+
+class SharedLayers(nn.Module):
+    """Linears fused outside the regions (their weights laid out in one flat parameter),
+    each also called inside a reentrant region: the region reads views of the flat one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lins = nn.ModuleList(nn.Linear(D, D) for _ in range(N))
+        self.head = nn.Linear(2 * N * D, 1)
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        outside = [torch.tanh(lin(part)) for lin, part in zip(self.lins, z.split(D, 1))]
+        inside = [checkpoint(lin, x, use_reentrant=True) for lin in self.lins]
+        return self.head(torch.cat(outside + inside, 1)).squeeze(1)
+
+
+@pytest.mark.parametrize("x_grad", [False, True], ids=["input_no_grad", "input_grad"])
+def test_a_reentrant_region_reading_laid_out_parameters(x_grad: bool) -> None:
+    _trains_like_plain(SharedLayers(), "optimize", x_grad)
+
+
+class SliceArgument(Towers):
+    """Slices of a parameter passed to a reentrant ``checkpoint`` as arguments: inputs
+    needing a gradient, though ``x`` needs none."""
+
+    def __init__(self) -> None:
+        super().__init__(True)
+        self.w = nn.Parameter(torch.randn(D, N * D))
+
+    @staticmethod
+    def mix(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ w)
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        feats = [torch.tanh(n(part)) for n, part in zip(self.norms, z.split(D, 1))]
+        outs = [
+            checkpoint(self.mix, x, self.w[:, i * D : (i + 1) * D], use_reentrant=True)
+            for i in range(N)
+        ]
+        return self.head(torch.cat(feats + outs, 1)).squeeze(1)
+
+
+@pytest.mark.parametrize("entry", sorted(ENTRY_POINTS))
+def test_a_parameter_slice_passed_to_a_reentrant_region(entry: str) -> None:
+    _trains_like_plain(SliceArgument(), entry, x_grad=False)

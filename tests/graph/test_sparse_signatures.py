@@ -1,0 +1,177 @@
+"""Sparse inputs key graphs by their rows per key, not only by their keys.
+
+Rules bake sizes derived from a sparse input's rows per key into a graph (each feature's
+lengths, fused, split or stacked with fixed sizes), so a graph built for one batch must not
+serve another with other rows: a sparse-only model's last, smaller batch, or a variable batch
+per key. The number of ids changes every batch and stays out of the key. Past the cache, new
+rows per key run the model eagerly rather than building a graph on every batch.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import pytest
+import torch
+from tensordict import TensorDictBase
+from torch import nn
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor as TorchrecKJT
+
+import fxrec
+from fxrec.graph import module as module_mod
+from fxrec.graph.module import MAX_CACHED_SIGNATURES, _signature, _structure
+from fxrec.passes.combine_inputs import combine_inputs
+from fxrec.sparse import KeyedJaggedTensor, kjt_from_tensordict, kjt_to_tensordict, pack_features
+
+NF, ROWS, D = 8, 20, 4
+KEYS = [f"f{i}" for i in range(NF)]
+
+
+@torch.fx.wrap
+def _as_kjt(sparse: Any) -> KeyedJaggedTensor:
+    return kjt_from_tensordict(sparse) if isinstance(sparse, TensorDictBase) else sparse
+
+
+class _Tower(nn.Module):
+    """A sparse-only tower: per feature, a bag over offsets computed from the lengths, a
+    LayerNorm and a ReLU (fused across features, their rows stacked); ``per_key``: each
+    feature's rows averaged on their own, so features may have different batch sizes."""
+
+    def __init__(self, per_key: bool) -> None:
+        super().__init__()
+        self.per_key = per_key
+        self.bags = nn.ModuleList(nn.EmbeddingBag(ROWS, D, mode="sum") for _ in KEYS)
+        self.norms = nn.ModuleList(nn.LayerNorm(D) for _ in KEYS)
+        self.out = nn.Linear(NF * D, 3)
+
+    def forward(self, sparse: Any) -> torch.Tensor:
+        kjt = _as_kjt(sparse)
+        parts = []
+        for bag, norm, k in zip(self.bags, self.norms, KEYS):
+            jt = kjt[k]
+            lens = jt.lengths()
+            pooled = torch.relu(norm(bag(jt.values(), torch.cumsum(lens, 0) - lens)))
+            parts.append(pooled.mean(0, keepdim=True) if self.per_key else pooled)
+        return self.out(torch.cat(parts, 1))
+
+
+def _kjt(rows: list[int], seed: int) -> KeyedJaggedTensor:
+    """Random ids, ``rows[i]`` bags for key i (a uniform KJT when they are all equal)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 4, (sum(rows),), generator=g)
+    ids = torch.randint(0, ROWS, (int(lengths.sum()),), generator=g)
+    if len(set(rows)) == 1:
+        return KeyedJaggedTensor(KEYS, ids, lengths=lengths, stride=rows[0])
+    return KeyedJaggedTensor(KEYS, ids, lengths=lengths, stride_per_key=rows)
+
+
+def _train_alike(
+    plain: nn.Module,
+    opt: nn.Module,
+    members: nn.Module,
+    batches: Iterable[KeyedJaggedTensor],
+    feed: Callable[[KeyedJaggedTensor], tuple],
+) -> None:
+    """Outputs, gradients (by name, through the flat layouts) and parameters after each SGD
+    step equal the plain model's; ``members``: the module whose parameters ``opt`` laid out."""
+    sgd_plain = torch.optim.SGD(plain.parameters(), lr=0.1)
+    sgd_opt = torch.optim.SGD(opt.parameters(), lr=0.1)
+    for kjt in batches:
+        want, got = plain(kjt), opt(*feed(kjt))
+        torch.testing.assert_close(got, want)
+        want.square().sum().backward()
+        got.square().sum().backward()
+        grads = opt.fxrec_fused.grads(members)
+        for name, p in plain.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, msg=name)
+        sgd_plain.step()
+        sgd_opt.step()
+        sgd_plain.zero_grad()
+        sgd_opt.zero_grad()
+    got_state = members.state_dict()
+    for name, value in plain.state_dict().items():
+        torch.testing.assert_close(got_state[name], value, msg=name)
+
+
+def _optimized(plain: nn.Module, example: KeyedJaggedTensor, kind: str) -> tuple:
+    """(optimized module, module holding its members, batch -> its call's arguments)."""
+    model = copy.deepcopy(plain)
+    if kind == "combined":
+        model, packer = combine_inputs(model, (example,))
+        return fxrec.optimize(model, packer(example)), model, lambda kjt: packer(kjt)
+    feed = (lambda kjt: (kjt_to_tensordict(kjt),)) if kind == "td" else (lambda kjt: (kjt,))
+    return fxrec.optimize(model, feed(example)), model, feed
+
+
+@pytest.mark.parametrize("kind", ["kjt", "td", "combined"])
+def test_sparse_only_model_trains_at_a_smaller_last_batch(kind: str) -> None:
+    torch.manual_seed(0)
+    plain = _Tower(per_key=False)
+    opt, members, feed = _optimized(plain, _kjt([8] * NF, 0), kind)
+    batches = [_kjt([b] * NF, seed) for seed, b in enumerate((8, 5, 5), 1)]
+    _train_alike(plain, opt, members, batches, feed)
+
+
+@pytest.mark.parametrize("kind", ["kjt", "td"])
+def test_variable_batch_per_key_trains_like_the_model(kind: str) -> None:
+    torch.manual_seed(0)
+    plain = _Tower(per_key=True)
+    opt, members, feed = _optimized(plain, _kjt([6] * NF, 0), kind)
+    spks = ([3, 9] + [6] * (NF - 2), [2, 10] * (NF // 2), [6] * NF)
+    batches = [_kjt(spk, seed) for seed, spk in enumerate(spks, 1)]
+    _train_alike(plain, opt, members, batches, feed)
+
+
+@pytest.mark.parametrize("kind", ["kjt", "td"])
+def test_rows_per_key_past_the_cache_stay_right_without_a_build_per_batch(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    builds = []
+    build = module_mod.OptimizedModule._optimize_traced
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        builds.append(1)
+        return build(self, *args, **kwargs)
+
+    monkeypatch.setattr(module_mod.OptimizedModule, "_optimize_traced", counted)
+    torch.manual_seed(0)
+    plain = _Tower(per_key=True)
+    opt, members, feed = _optimized(plain, _kjt([6] * NF, 0), kind)
+    rng = random.Random(0)
+    spks = [[rng.randint(1, 10) for _ in KEYS] for _ in range(3 * MAX_CACHED_SIGNATURES)]
+    _train_alike(plain, opt, members, [_kjt(spk, i) for i, spk in enumerate(spks, 1)], feed)
+    assert len(builds) <= MAX_CACHED_SIGNATURES
+    assert any("sets of rows per key" in note for note in opt.fxrec_report.notes)
+
+
+def _torchrec_kjt(rows: list[int], seed: int) -> TorchrecKJT:
+    kjt = _kjt(rows, seed)
+    variable = len(set(rows)) > 1
+    return TorchrecKJT(
+        keys=KEYS,
+        values=kjt.values(),
+        lengths=kjt.lengths(),
+        stride_per_key_per_rank=[[r] for r in rows] if variable else None,
+    )
+
+
+def _combined(rows: list[int], seed: int) -> Any:
+    return pack_features(_kjt(rows, seed))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [_kjt, _torchrec_kjt, _combined, lambda rows, seed: kjt_to_tensordict(_kjt(rows, seed))],
+    ids=["kjt", "torchrec_kjt", "combined", "tensordict"],
+)
+def test_signature_keys_rows_per_key_not_the_number_of_ids(make: Callable) -> None:
+    uniform, other_ids = make([4] * NF, 1), make([4] * NF, 2)
+    assert other_ids is not uniform and _signature(other_ids) == _signature(uniform)
+    for rows in ([5] * NF, [3, 5] * (NF // 2), [5, 3] * (NF // 2)):
+        other = _signature(make(rows, 1))
+        assert other != _signature(uniform)
+        assert _structure(other) != _structure(_signature(uniform))  # no graph serves both
+        assert _structure(other, False) == _structure(_signature(uniform), False)
