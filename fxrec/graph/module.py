@@ -118,11 +118,11 @@ def _signature(x: Any) -> Any:
     per-key strides, a TensorDict's batch size (or each jagged entry's rows when it has none)
     and combined features' per-key strides key graphs too, read from host metadata.
     """
-    if type(x) is torch.Tensor:  # a plain tensor's sizes are ints (the common case: fast)
-        return ("T", tuple(x.shape), x.dtype, x.device.type, x.requires_grad)
+    if type(x) is torch.Tensor:  # a plain tensor's sizes are ints: its Size as it is (fast)
+        return ("T", x.shape, x.dtype, x.device, x.requires_grad)
     if isinstance(x, torch.Tensor):  # a symbolic size (export, dynamo) keys as "s"
         shape = tuple(d if isinstance(d, int) else "s" for d in x.shape)
-        return ("T", shape, x.dtype, x.device.type, x.requires_grad)
+        return ("T", shape, x.dtype, x.device, x.requires_grad)
     if isinstance(x, (list, tuple)):
         return (type(x).__name__, *(_signature(i) for i in x))
     if type(x) is dict:
@@ -243,7 +243,7 @@ def _structure(x: Any, rows: bool = True) -> Any:
 
 def _without_sizes(x: Any, rows: bool) -> Any:
     if isinstance(x, tuple):
-        if x and x[0] == "T" and type(x[1]) is tuple:  # (not a KJT's keys, "T" first)
+        if x and x[0] == "T" and isinstance(x[1], tuple):  # (not a KJT's keys, "T" first)
             return ("T", len(x[1]), *x[2:])
         if x and x[0] is _ROWS:
             return x if rows else _ROWS
