@@ -641,7 +641,7 @@ class StackOfPieces(LocalRule):
             if first.start != 0 or first.length * n != bi.shape[d]:
                 x = ctx.call_method("narrow", (x, d, first.start, first.length * n))
             if not first.squeezed:
-                x = ctx.call_method("unflatten", (x, d, (n, first.length)))
+                x = ctx.call_method("unflatten", (x, d, (n, -1)))  # no size baked in
             if d != k:
                 x = ctx.call_method("movedim", (x, d, k))
         inputs = list(node.all_input_nodes)

@@ -125,6 +125,49 @@ def test_fxrec_export_of_laid_out_parameters(strict: bool) -> None:
     assert {"a.weight", "b.weight"}.isdisjoint(names) and any("fxrec_fused" in n for n in names)
 
 
+EIGHT = [f"g{i}" for i in range(8)]
+
+
+class PerFeatureBags(nn.Module):
+    """A bag and a LayerNorm + relu per feature, offsets made from each feature's lengths:
+    eight features, enough for the fused lookup, whose offsets stack the features' pieces of
+    the KJT's lengths, one row each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bags = nn.ModuleList(nn.EmbeddingBag(10, 4, mode="sum") for _ in EIGHT)
+        self.norms = nn.ModuleList(nn.LayerNorm(4) for _ in EIGHT)
+        self.out = nn.Linear(4 * len(EIGHT), 1)
+
+    def forward(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
+        parts = []
+        for bag, norm, k in zip(self.bags, self.norms, EIGHT):
+            jt = kjt[k]
+            lengths = jt.lengths()
+            parts.append(torch.relu(norm(bag(jt.values(), torch.cumsum(lengths, 0) - lengths))))
+        return self.out(torch.cat(parts, 1))
+
+
+def _eight(rows: int, g: torch.Generator) -> KeyedJaggedTensor:
+    lengths = torch.randint(0, 4, (len(EIGHT) * rows,), generator=g)
+    ids = torch.randint(0, 10, (int(lengths.sum()),), generator=g)
+    return KeyedJaggedTensor.from_lengths_sync(EIGHT, ids, lengths)
+
+
+def test_exported_fused_offsets_take_other_batch_sizes() -> None:
+    """The stacked pieces are unflattened by their count, not by the example's rows."""
+    g = torch.Generator().manual_seed(0)
+    torch.manual_seed(0)
+    model = PerFeatureBags().eval()
+    example = _eight(8, g)
+    opt = fxrec.optimize(model, (example,))
+    assert opt.fxrec_report.count("stack_of_pieces") > 0
+    ep = fxrec.export(opt, (example,), dynamic_shapes=_dynamic(example), strict=False)
+    for rows in (3, 5, 8):
+        kjt = _eight(rows, g)
+        torch.testing.assert_close(ep.module()(kjt), model(kjt), rtol=1e-5, atol=1e-6)
+
+
 def test_torch_export_of_laid_out_parameters_says_what_to_do() -> None:
     g = torch.Generator().manual_seed(0)
     example = (torch.randn(3, 6), _batch(3, False, g))
