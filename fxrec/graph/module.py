@@ -179,11 +179,12 @@ def _kjt_signature(x: Any) -> Any:
 
 def _tensordict_signature(x: Any) -> Any:
     store = getattr(x, "_tensordict", None)  # the plain dict behind a TensorDict
+    batch = x.batch_size
+    if len(batch):  # every entry has these leading rows (per-sample stacks: no entry read)
+        keys = tuple(store) if type(store) is dict else tuple(x.keys())
+        return (type(x).__name__, keys, (_ROWS, tuple(map(_host_int, batch))))
     if type(store) is not dict:
         store = dict(x.items())
-    batch = x.batch_size
-    if len(batch):  # every entry has these leading rows
-        return (type(x).__name__, tuple(store), (_ROWS, tuple(map(_host_int, batch))))
     rows = []
     for v in store.values():  # jagged entries by their rows (the ids' count, ragged, stays out)
         if type(v) is not _NJT:  # weighted features, dense entries: each described on its own

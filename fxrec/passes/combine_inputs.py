@@ -377,9 +377,9 @@ class InputPacker:
             return
         for j, (k, h) in enumerate(zip(keys, has)):
             if h != self.weighted[start + j]:
-                state = "has" if h else "has no"
+                now, then = ("has", "had none") if h else ("has no", "had weights")
                 raise ValueError(
-                    f"feature {k!r} {state} weights in this batch but not in the example "
+                    f"feature {k!r} {now} weights in this batch but {then} in the example "
                     "batch the model was combined for; every batch must agree."
                 )
 

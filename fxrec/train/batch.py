@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
-from tensordict import TensorDictBase
+from tensordict import LazyStackedTensorDict, TensorDictBase
 
 from fxrec.sparse import CombinedFeatures, JaggedTensor, KeyedJaggedTensor
 from fxrec.sparse.tensordict_interop import is_njt, prepared_kjts
@@ -43,6 +43,8 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
     if isinstance(obj, JaggedTensor):
         parts = [obj.values(), obj.weights_or_none(), obj.lengths_or_none(), obj.offsets_or_none()]
         return [t for t in parts if t is not None]
+    if isinstance(obj, LazyStackedTensorDict):  # per-sample TensorDicts: each one's own
+        return [t for td in obj.tensordicts for t in _tensors(td)]
     if isinstance(obj, TensorDictBase):
         store = getattr(obj, "_tensordict", None)  # plain dict of entries: no per-key checks
         if isinstance(store, dict):

@@ -292,3 +292,64 @@ def test_meta_kjt_builds_with_validation_on() -> None:
         lengths=torch.empty(4, dtype=torch.long, device="meta"),
     )
     assert validation_enabled() and kjt.stride() == 2 and kjt.values().device.type == "meta"
+
+
+# -- lazily stacked samples through fxrec.optimize and the pipelines ------------------------------
+
+
+class _Towers(torch.nn.Module):
+    """The collection, then parallel towers fxrec fuses (built for its output's width)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ebc = EmbeddingBagCollection(mixed_tables())
+
+    def build(self, width: int) -> _Towers:
+        self.towers = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(width, 4), torch.nn.LayerNorm(4)) for _ in range(3)
+        )
+        return self
+
+    def forward(self, dense: torch.Tensor, sparse: Any) -> torch.Tensor:
+        e = self.ebc(sparse).values()
+        return torch.cat([t(e) for t in self.towers], 1).sum(1) + dense.sum(1)
+
+
+def test_lazy_stack_of_samples_trains_optimized_and_in_a_pipeline() -> None:
+    import copy
+
+    import fxrec
+    from fxrec.train import Batch, TrainPipelineBase, transfer_count
+
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(3)
+    model = _Towers()
+    kjt = random_kjt(model.ebc, 4, gen)
+    model.build(model.ebc(kjt).values().shape[1])
+    ref = copy.deepcopy(model)
+    opt = fxrec.optimize(model, (torch.randn(4, 2), lazy_stack(kjt)))
+    assert opt.fxrec_report.count() > 0
+
+    def loss_fn(out: torch.Tensor, batch: Batch) -> torch.Tensor:
+        return (out - batch.labels).square().mean()
+
+    pipe = TrainPipelineBase(opt, torch.optim.SGD(opt.parameters(), lr=0.1), loss_fn=loss_fn)
+    sgd = torch.optim.SGD(ref.parameters(), lr=0.1)
+    batches = []
+    for rows in (4, 3, 4):
+        kjt = random_kjt(ref.ebc, rows, gen)
+        batches.append((torch.randn(rows, 2), kjt, torch.randn(rows)))
+    stacked = [Batch(d, lazy_stack(k), y) for d, k, y in batches]
+    assert transfer_count(stacked[0].sparse) == sum(
+        transfer_count(td) for td in stacked[0].sparse.tensordicts
+    )
+    it = iter(stacked)
+    for dense, kjt, labels in batches:
+        got = pipe.progress(it)
+        sgd.zero_grad()
+        want = loss_fn(ref(dense, kjt), Batch(dense, kjt, labels))
+        want.backward()
+        sgd.step()
+        torch.testing.assert_close(got, want.detach())
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(opt.get_parameter(name), p, msg=name)

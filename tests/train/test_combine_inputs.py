@@ -833,7 +833,7 @@ def test_bad_dict_features_are_refused_naming_the_feature():
     for bad, message in cases:
         with pytest.raises(ValueError, match=rf"feature 'f1'.*{message}"):
             packer({**d, "f1": bad})
-    with pytest.raises(ValueError, match=r"feature 'f1' has weights in this batch but not"):
+    with pytest.raises(ValueError, match=r"feature 'f1' has weights in this batch but had none"):
         packer(
             {
                 **d,
@@ -842,6 +842,9 @@ def test_bad_dict_features_are_refused_naming_the_feature():
                 ),
             }
         )
+    f0 = d["f0"]
+    with pytest.raises(ValueError, match=r"feature 'f0' has no weights in this batch but had "):
+        packer({**d, "f0": JaggedTensor(f0.values(), None, lengths=f0.lengths())})
 
 
 def test_without_validation_per_feature_inputs_are_still_checked_for_dtypes():
