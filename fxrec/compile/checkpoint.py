@@ -10,7 +10,14 @@ small towers), always non-reentrant, and without restoring the RNG state in the
 recomputation. Run as it is, a region with dropout draws another mask in backward than in
 forward, and a reentrant region whose inputs need no gradient gives its parameters one
 (PyTorch's reentrant variant computes none). Graphs that run eagerly therefore call
-``checkpoint`` itself on every region (:func:`call_checkpoint`), with the model's options.
+``checkpoint`` itself on every region (:func:`call_checkpoint`), with the model's options
+(PyTorch's defaults where it gave none: the RNG state kept).
+
+Dynamo also passes a region the buffers it reads as its inputs; the model's region reads
+them itself. ``checkpoint`` saves its inputs for the recomputation, and a buffer written in
+place after that (BatchNorm's running statistics, by the region or by a later one) fails
+the saved tensors' check in backward: such tensors are read by the region, not passed to
+``checkpoint``.
 
 Rules rewrite the top-level graph only: a region's nodes are left as written.
 """
@@ -18,16 +25,18 @@ Rules rewrite the top-level graph only: a region's nodes are left as written.
 from __future__ import annotations
 
 import logging
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 import torch.utils.checkpoint as ckpt
 from torch import nn
 
-from fxrec.graph.effects import is_random, subgraphs
-from fxrec.graph.params import OWNER_ATTR
+from fxrec.graph.effects import mutates_input, subgraphs, view_bases, written_target
+from fxrec.graph.params import OWNER_ATTR, _split
 from fxrec.graph.report import Report
 
 logger = logging.getLogger(__name__)
@@ -45,6 +54,13 @@ _NO_OPS = {torch._C._log_api_usage_once}  # dynamo records this call in some reg
 # the options ``checkpoint`` takes (dynamo keeps only these on the node); others: left alone
 _OPTIONS = {"use_reentrant", "preserve_rng_state", "determinism_check", "debug", "early_stop"}
 _LAID_OUT = "fxrec_laid_out"  # positions of a region's views of fxrec's flat parameters
+_WRITTEN = "fxrec_written"  # positions of the tensors a region writes in place (buffers)
+# where normalizations take the running statistics they update (position, keyword)
+_RUNNING_STATS = {
+    F.batch_norm: ((1, "running_mean"), (2, "running_var")),
+    F.instance_norm: ((1, "running_mean"), (2, "running_var")),
+    torch.batch_norm: ((3, "running_mean"), (4, "running_var")),
+}
 
 
 def _is_checkpoint(node: fx.Node) -> bool:
@@ -62,69 +78,134 @@ def checkpoint_nodes(graph: fx.Graph) -> list[fx.Node]:
     return [n for n in graph.nodes if _is_checkpoint(n)]
 
 
-def _laid_out(node: fx.Node, depth: int = 8) -> bool:
-    """A view of fxrec's flat parameter (a laid-out member the region reads), made from
-    nothing but the flat tensor in a few steps: no model hands fxrec's own attribute to
-    ``checkpoint``."""
+def _laid_out(node: fx.Node) -> bool:
+    """A laid-out member the region reads: the view of fxrec's flat parameter its layout put
+    in place of the model's parameter (see ``ParamStore.rebind``), which keeps that read's
+    value (a parameter). A tensor the model computes from one (``w.t()``, ``w[0]``) is an
+    input of the region, as in PyTorch."""
+    value = node.meta.get("example_value", node.meta.get("val"))
+    return (value is None or isinstance(value, nn.Parameter)) and _flat_view(node)
+
+
+def _flat_view(node: fx.Node) -> bool:
+    """Is ``node`` a ``get_attr`` of a flat parameter, or a view of one as the layout makes
+    them: its ``_split`` into members, and ``getitem`` / ``narrow`` of a member's slot?"""
     if node.op == "get_attr":
         return str(node.target).startswith(OWNER_ATTR + ".")
-    inputs = node.all_input_nodes
-    if depth == 0 or not inputs or node.op not in ("call_function", "call_method"):
+    source = node.args[0] if node.args else None
+    if not isinstance(source, fx.Node):
         return False
-    return all(_laid_out(n, depth - 1) for n in inputs)
+    if node.op == "call_function" and node.target is operator.getitem:
+        step = isinstance(node.args[1], int)
+    else:
+        step = (node.op, node.target) in (("call_function", _split), ("call_method", "narrow"))
+    return step and _flat_view(source)
 
 
-def _reentrant(
-    body: fx.GraphModule, args: Sequence[Any], options: dict[str, Any], laid_out: Sequence[int]
-) -> Any:
-    """Reentrant checkpoint whose inputs are the region's arguments, not the parameters it
-    reads (the model's, or views of the flat one at ``laid_out``): with no input needing a
-    gradient, nothing inside gets one, as in PyTorch."""
-    read = {i: a for i, a in enumerate(args) if i in laid_out or isinstance(a, nn.Parameter)}
-    if not read:
-        return ckpt.checkpoint(body, *args, **options)
+def _written_inputs(body: fx.GraphModule) -> tuple[int, ...]:
+    """Positions of the inputs ``body`` writes in place, directly or through views of them
+    (``num_batches_tracked.add_(1)``, a BatchNorm's running statistics), nested regions
+    included."""
+    inputs = {n: i for i, n in enumerate(body.graph.find_nodes(op="placeholder"))}
+    written: set[int] = set()
+    for node in body.graph.nodes:
+        for target in _writes(node):
+            if isinstance(target, fx.Node):
+                written.update(inputs[b] for b in view_bases(target) if b in inputs)
+    return tuple(sorted(written))
+
+
+def _writes(node: fx.Node) -> list[Any]:
+    """The arguments ``node`` writes in place."""
+    if _is_checkpoint(node):
+        return [node.args[1 + i] for i in _written_inputs(subgraphs(node)[0])]
+    if node.op == "call_function" and node.target in _RUNNING_STATS:
+        return [
+            node.args[pos] if len(node.args) > pos else node.kwargs.get(name)
+            for pos, name in _RUNNING_STATS[node.target]
+        ]
+    return [written_target(node)] if mutates_input(node) else []
+
+
+def _reading(
+    body: fx.GraphModule, args: Sequence[Any], read: dict[int, Any]
+) -> tuple[Callable[..., Any], list[Any]]:
+    """``body`` as a function of ``args`` but those at ``read``'s positions, which it reads
+    itself (as the model's region reads its parameters and buffers); and those inputs.
+    ``body.forward``, not ``body``: a non-reentrant recomputation stops early by raising
+    inside the region, which a ``GraphModule`` call catches to format its traceback."""
     inputs = [a for i, a in enumerate(args) if i not in read]
+    if not read:
+        return body.forward, inputs
 
     def region(*given: Any) -> Any:
         rest = iter(given)
-        return body(*(read[i] if i in read else next(rest) for i in range(len(args))))
+        return body.forward(*(read[i] if i in read else next(rest) for i in range(len(args))))
 
+    return region, inputs
+
+
+def _reentrant(
+    body: fx.GraphModule, args: Sequence[Any], options: dict[str, Any], read: dict[int, Any]
+) -> Any:
+    """Reentrant checkpoint whose inputs are the region's arguments, not the parameters and
+    buffers it reads (the model's parameters, views of the flat one, those in ``read``):
+    with no input needing a gradient, nothing inside gets one, as in PyTorch."""
+    read = read | {i: a for i, a in enumerate(args) if isinstance(a, nn.Parameter)}
+    region, inputs = _reading(body, args, read)
     return ckpt.checkpoint(region, *inputs, **options)
+
+
+def _state(args: Sequence[Any], written: Sequence[int]) -> dict[int, Any]:
+    """The arguments at ``written`` that hold state (buffers: no gradient), by position. A
+    tensor needing a gradient written in place stays an input: ``checkpoint`` refuses it
+    in backward, as it does in the model."""
+    return {
+        i: args[i]
+        for i in written
+        if isinstance(args[i], torch.Tensor) and not args[i].requires_grad
+    }
 
 
 def checkpointed(body: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
     """``body(*args)`` under ``torch.utils.checkpoint.checkpoint``, as the model called it.
 
     ``kwargs`` are the checkpoint's own options (dynamo passes the region's tensors
-    positionally), and where the region reads laid-out parameters (see
-    :func:`call_checkpoint`); ``use_reentrant`` left out is PyTorch's default, reentrant. A
-    selective-checkpoint ``context_fn`` the model passed (kept on the body) is passed again.
+    positionally), where the region reads laid-out parameters and which arguments it writes
+    in place (see :func:`call_checkpoint`); ``use_reentrant`` left out is PyTorch's default,
+    reentrant. A selective-checkpoint ``context_fn`` the model passed (kept on the body) is
+    passed again.
     """
     options = dict(kwargs)
     laid_out = options.pop(_LAID_OUT, ())
+    written = options.pop(_WRITTEN, ())
     if options.get("use_reentrant") is None:
         options["use_reentrant"] = True
     context_fn = body.meta.get(_CONTEXT_FN)
     if context_fn is not None:
         options["context_fn"] = context_fn
+    state = _state(args, written)
     if options["use_reentrant"]:
-        return _reentrant(body, args, options, laid_out)
-    return ckpt.checkpoint(body, *args, **options)
+        return _reentrant(body, args, options, state | {i: args[i] for i in laid_out})
+    region, inputs = _reading(body, args, state)
+    return ckpt.checkpoint(region, *inputs, **options)
 
 
 def _rewrite(node: fx.Node, body: fx.GraphModule) -> bool:
-    """Point ``node`` at :func:`checkpointed`; a region drawing nothing skips keeping the
-    RNG state (nothing to draw again). False when its options are not ``checkpoint``'s."""
+    """Point ``node`` at :func:`checkpointed`, with the model's options as given (PyTorch's
+    defaults for the others), and where the region reads laid-out parameters or writes its
+    arguments. False when its options are not ``checkpoint``'s."""
     unknown = set(node.kwargs) - _OPTIONS
     if unknown:
         logger.debug("fxrec: checkpointed region %s left to PyTorch: %s", node.name, unknown)
         return False
     kwargs = dict(node.kwargs)
-    if "preserve_rng_state" not in kwargs and not any(is_random(n) for n in body.graph.nodes):
-        kwargs["preserve_rng_state"] = False
     laid_out = [i for i, a in enumerate(node.args[1:]) if isinstance(a, fx.Node) and _laid_out(a)]
     if laid_out:
         kwargs[_LAID_OUT] = tuple(laid_out)
+    written = _written_inputs(body)
+    if written:
+        kwargs[_WRITTEN] = written
     node.kwargs = kwargs
     node.target = checkpointed
     return True
@@ -132,8 +213,8 @@ def _rewrite(node: fx.Node, body: fx.GraphModule) -> bool:
 
 def call_checkpoint(gm: fx.GraphModule) -> int:
     """Make ``gm``'s checkpointed regions (nested ones too) call :func:`checkpointed`: the
-    model's variant and options, the RNG state kept for a recomputation that draws, the
-    body run as compiled code. In place; returns how many regions were rewritten (``gm``
+    model's variant and options (the RNG state kept unless it said otherwise), the body run
+    as compiled code. In place; returns how many regions were rewritten (``gm``
     is recompiled if any)."""
     rewritten = 0
     for node in checkpoint_nodes(gm.graph):

@@ -6,6 +6,7 @@ handle the effect explicitly (e.g. the BatchNorm rule keeps running statistics e
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
@@ -59,6 +60,15 @@ _RANDOM_FUNCTIONS = {
     torch.alpha_dropout,
     torch.feature_dropout,
     torch.feature_alpha_dropout,
+    torch.dropout_,
+    torch.alpha_dropout_,
+    torch.feature_dropout_,
+    torch.feature_alpha_dropout_,
+    torch.native_dropout,
+    torch.rrelu_,  # also ``F.rrelu_``
+    torch.binomial,
+    torch._standard_gamma,
+    torch._sample_dirichlet,
 }
 # Where dropout-like functions take ``p`` and ``training`` ((position, keyword) or None), and
 # the default of ``training`` (None: required). Calls that do not train, or drop nothing,
@@ -75,9 +85,17 @@ _DROPOUT_ARGS: dict[Any, tuple[tuple[int, str] | None, tuple[int, str], bool | N
     torch.alpha_dropout: (_P, _TRAIN, None),
     torch.feature_dropout: (_P, _TRAIN, None),
     torch.feature_alpha_dropout: (_P, _TRAIN, None),
+    torch.dropout_: (_P, _TRAIN, None),
+    torch.alpha_dropout_: (_P, _TRAIN, None),
+    torch.feature_dropout_: (_P, _TRAIN, None),
+    torch.feature_alpha_dropout_: (_P, _TRAIN, None),
+    torch.native_dropout: (_P, _TRAIN, None),
     F.rrelu: (None, (3, "training"), False),  # eval: a fixed slope
     torch.rrelu: (None, (3, "training"), False),
+    torch.rrelu_: (None, (3, "training"), False),
 }
+# Ops that draw only with a dropout probability (position, keyword; default 0) above 0.
+_OPTIONAL_DROPOUT = {F.scaled_dot_product_attention: (4, "dropout_p")}
 # ``t += x`` in a dynamo graph: these write their tensor argument in place.
 _INPLACE_OPERATORS = frozenset(
     {
@@ -87,7 +105,11 @@ _INPLACE_OPERATORS = frozenset(
     }
 )  # fmt: skip
 _NUMBERS = (int, float, torch.SymInt, torch.SymFloat)
-_RANDOM_METHODS = {"bernoulli", "multinomial", "random_", "uniform_", "normal_", "exponential_"}
+# Tensor methods that draw (in-place samplers fill a tensor: ``empty_like(h).bernoulli_(p)``)
+_RANDOM_METHODS = {
+    "bernoulli", "bernoulli_", "multinomial", "random_", "uniform_", "normal_", "exponential_",
+    "cauchy_", "log_normal_", "geometric_",
+}  # fmt: skip
 
 
 def _owner_module(node: fx.Node) -> nn.Module | None:
@@ -143,14 +165,15 @@ def mutates_input(node: fx.Node) -> bool:
 
 
 def is_random(node: fx.Node) -> bool:
-    """True for nodes whose result depends on the RNG (dropout in training, rand_like...),
-    including calls of sub-graphs that draw (dynamo's activation-checkpointed regions).
+    """True for nodes whose result depends on the RNG (dropout in training, rand_like,
+    in-place samplers such as ``bernoulli_``, any op PyTorch tags as seeded...), including
+    calls of sub-graphs that draw (dynamo's activation-checkpointed regions).
 
     Dropout in eval mode or with ``p=0``, and RReLU in eval mode, draw nothing: they are
     the identity (a fixed slope), and rules may fuse across them."""
-    if node.op == "call_function" and node.target in _RANDOM_FUNCTIONS:
+    if node.op == "call_function" and (node.target in _RANDOM_FUNCTIONS or _seeded(node.target)):
         return not _inactive_draw(node)
-    if node.op == "call_method" and node.target in _RANDOM_METHODS:
+    if node.op == "call_method" and (node.target in _RANDOM_METHODS or _seeded_name(node.target)):
         return True
     if node.op == "call_function" and any(_body_draws(b) for b in subgraphs(node)):
         return True
@@ -158,6 +181,44 @@ def is_random(node: fx.Node) -> bool:
     if isinstance(mod, nn.modules.dropout._DropoutNd):
         return bool(mod.training and mod.p > 0)
     return isinstance(mod, nn.RReLU) and mod.training
+
+
+def _seeded(target: Any) -> bool:
+    """Is ``target`` an op PyTorch tags as drawing from the RNG (``nondeterministic_seeded``):
+    an ATen op, or a ``torch`` / ``Tensor`` / ``F`` function of that name? Covers samplers no
+    list names. Asked of every call in a graph, many times over: answered once per target."""
+    try:
+        return _seeded_target(target)
+    except TypeError:  # an unhashable target
+        return _seeded_target.__wrapped__(target)
+
+
+@functools.lru_cache(maxsize=4096)
+def _seeded_target(target: Any) -> bool:
+    if isinstance(target, torch._ops.OpOverload):
+        return torch.Tag.nondeterministic_seeded in target.tags
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return _seeded_name(target.__name__)
+    name = getattr(target, "__name__", None)
+    if not isinstance(name, str):
+        return False
+    owners = (torch, torch.Tensor, F)
+    return any(getattr(o, name, None) is target for o in owners) and _seeded_name(name)
+
+
+@functools.cache
+def _seeded_name(name: Any) -> bool:
+    """Does an ATen op of this name draw from the RNG (any of its overloads)?"""
+    if not isinstance(name, str) or name.startswith("__"):
+        return False
+    try:
+        packet = getattr(torch.ops.aten, name)
+    except (AttributeError, RuntimeError):
+        return False
+    if not isinstance(packet, torch._ops.OpOverloadPacket):
+        return False
+    seeded = torch.Tag.nondeterministic_seeded
+    return any(seeded in getattr(packet, o).tags for o in packet.overloads())
 
 
 def subgraphs(node: fx.Node) -> list[fx.GraphModule]:
@@ -188,8 +249,13 @@ def _identity_dropout(node: fx.Node) -> bool:
 
 
 def _inactive_draw(node: fx.Node) -> bool:
-    """Is this dropout (or rrelu) call told not to draw: ``training`` False, or ``p`` 0?
-    Arguments that are not constants (graph values) count as drawing."""
+    """Is this dropout (or rrelu, or attention) call told not to draw: ``training`` False,
+    or ``p`` 0? Arguments that are not constants (graph values) count as drawing."""
+    optional = _OPTIONAL_DROPOUT.get(node.target)
+    if optional is not None:
+        pos, name = optional
+        p = node.args[pos] if len(node.args) > pos else node.kwargs.get(name, 0.0)
+        return isinstance(p, (int, float)) and not isinstance(p, bool) and p == 0
     where = _DROPOUT_ARGS.get(node.target)
     if where is None:
         return False

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import inspect
 import itertools
@@ -33,6 +34,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.utils import _pytree as pytree
 from torch.utils.hooks import RemovableHandle
 
 from fxrec.graph import meta
@@ -55,6 +57,10 @@ logger = logging.getLogger(__name__)
 __all__ = ["OptimizedModule", "optimize"]
 
 MAX_CACHED_SIGNATURES = 8
+# Signatures past the cache remember which shared runner serves them (the capture with
+# symbolic sizes, a graph of their structure, the model run eagerly): nothing is built for
+# them, and a serving loop over many batch sizes skips the build path on every call.
+MAX_SPILLED_SIGNATURES = 1024
 
 # How many parameters and submodules any module registered (``module.weight =
 # nn.Parameter(...)``, ``model.act = nn.GELU()``, ``seq.append(m)``): a change tells an
@@ -120,6 +126,8 @@ def _signature(x: Any) -> Any:
     """
     if type(x) is torch.Tensor:  # a plain tensor's sizes are ints: its Size as it is (fast)
         return ("T", x.shape, x.dtype, x.device, x.requires_grad)
+    if type(x) is _NJT:  # a jagged nested tensor: its rows (its ids' count stays out)
+        return ("NJT", (_ROWS, _host_int(x._offsets.shape[0] - 1)), x.dtype, x.device)
     if isinstance(x, torch.Tensor):  # a symbolic size (export, dynamo) keys as "s"
         shape = tuple(d if isinstance(d, int) else "s" for d in x.shape)
         return ("T", shape, x.dtype, x.device, x.requires_grad)
@@ -157,6 +165,11 @@ def _input_kind(cls: type) -> Any:
         return _keyed_tensor_signature
     if all(callable(getattr(cls, a, None)) for a in ("lengths_or_none", "offsets_or_none")):
         return _jagged_signature
+    if dataclasses.is_dataclass(cls):  # a batch type (TorchRec's Batch): its fields
+        names = tuple(f.name for f in dataclasses.fields(cls))
+        return functools.partial(_fields_signature, names)
+    if cls in pytree.SUPPORTED_NODES:  # a container registered with pytree: its children
+        return functools.partial(_children_signature, pytree.SUPPORTED_NODES[cls].flatten_fn)
     if callable(getattr(cls, "keys", None)):
         return _keyed_signature
     if issubclass(cls, (int, float, str, bool, type(None))):
@@ -213,6 +226,14 @@ def _keyed_tensor_signature(x: Any) -> Any:
 
 def _mapping_signature(x: Any) -> Any:
     return (type(x).__name__, *((k, _signature(v)) for k, v in x.items()))
+
+
+def _fields_signature(names: tuple[str, ...], x: Any) -> Any:
+    return (type(x).__name__, *((n, _signature(getattr(x, n))) for n in names))
+
+
+def _children_signature(flatten: Any, x: Any) -> Any:
+    return (type(x).__name__, *map(_signature, flatten(x)[0]))
 
 
 def _keyed_signature(x: Any) -> Any:
@@ -294,6 +315,7 @@ class OptimizedModule(nn.Module):
         self._runners: dict[Any, Any] = {}
         self._communicates: set[Any] = set()
         self._overflow: dict[Any, Any] = {}  # mode -> the capture past the signature cache
+        self._spilled: dict[Any, Any] = {}  # signatures past the cache -> their shared runner
         self._dynamo_backend: Any = None
         self._assigned: set[str] = set()  # buffers forward reassigns: dynamo reads them per call
         self._submodules = list(model.modules())
@@ -359,7 +381,7 @@ class OptimizedModule(nn.Module):
             # torch.func (functional_call, vmap, grad): the tensors given, run eagerly; no
             # graph is built or checked for them (a check cannot run under vmap).
             fused.sync_requires_grad()
-            return _EagerRunner(self.model, fused)(*args, **kwargs)
+            return _EagerRunner(self.model, fused, swapped=True)(*args, **kwargs)
         runner, args, kwargs = self._runner(args, kwargs)
         fused.sync_requires_grad()
         try:
@@ -385,7 +407,9 @@ class OptimizedModule(nn.Module):
         key = self._key(args, kwargs)
         runner = self._runners.get(key)
         if runner is None:
-            runner = self._build(key, args, kwargs)
+            runner = self._spilled.get(key)
+            if runner is None:
+                runner = self._build(key, args, kwargs)
         return runner, args, kwargs
 
     def _params_swapped(self) -> bool:
@@ -502,6 +526,7 @@ class OptimizedModule(nn.Module):
         """Drop every graph: they hold the model's modules and tensors as they were."""
         self._runners.clear()
         self._overflow.clear()
+        self._spilled.clear()
         self._traced.clear()
 
     def _key(self, args: tuple, kwargs: dict) -> Any:
@@ -581,6 +606,10 @@ class OptimizedModule(nn.Module):
             runner = self._runners.get(key)
             if runner is None:
                 runner = self._build_locked(key, args, kwargs, example)
+                if key not in self._runners and not torch.compiler.is_exporting():
+                    if len(self._spilled) >= MAX_SPILLED_SIGNATURES:
+                        del self._spilled[next(iter(self._spilled))]
+                    self._spilled[key] = runner
             return runner
 
     def _build_locked(self, key: Any, args: tuple, kwargs: dict, example: bool) -> Any:
@@ -620,8 +649,9 @@ class OptimizedModule(nn.Module):
             # collectives here only. The model runs eagerly for them: the same collectives,
             # in the same order as the other ranks' graphs.
             self.fxrec_report.note(
-                "inputs of a new structure on a model whose graphs communicate run the model "
-                "eagerly (building a graph would run collectives on this rank alone)"
+                "inputs of a new structure (other keys, or other rows per key of a sparse input: "
+                "a new batch size) on a model whose graphs communicate run the model eagerly "
+                "(building a graph would run collectives on this rank alone)"
             )
             runner = _EagerRunner(self.model, self.fxrec_fused)
             if len(self._runners) < MAX_CACHED_SIGNATURES:
@@ -981,7 +1011,7 @@ class OptimizedModule(nn.Module):
         process-local state, and are rebuilt on the first calls after loading."""
         state = super().__getstate__()  # type: ignore[misc]
         state = dict(state)
-        for name in ("_traced", "_runners", "_overflow"):
+        for name in ("_traced", "_runners", "_overflow", "_spilled"):
             state[name] = {}
         state["_communicates"] = set()
         state["_dynamo_backend"] = None
@@ -993,6 +1023,7 @@ class OptimizedModule(nn.Module):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
+        self.__dict__.setdefault("_spilled", {})  # (saved before it existed)
         _watched.update(self._submodules)  # a loaded model's modules are new objects
         # Loaded in a fresh process, nothing has installed the registration hooks yet: a
         # submodule or parameter replaced after loading would go unseen. The first call looks.
@@ -1162,6 +1193,7 @@ class _DynamoRunner:
         self.try_direct = direct
         self.direct: Any = None
         self.unfused = False  # the first call's graphs fused nothing: see ``__call__``
+        self.settled = direct  # ``unfused`` decided (a direct one decides on its first call)
         self.grad_mode = True
         self.routes_checked = False
         self.compiles = compiles
@@ -1180,9 +1212,9 @@ class _DynamoRunner:
         if (
             self.unfused
             and torch.is_grad_enabled() is self.grad_mode
-            and not self.fallback.owner.laid_out()
+            and not (self.grad_mode and self.fallback.owner.laid_out())
         ):
-            return self.fallback.model(*args, **kwargs)
+            return self.fallback.model(*args, **kwargs)  # (no grad: members read the flats)
         direct = self.direct
         if (
             direct is not None
@@ -1192,6 +1224,10 @@ class _DynamoRunner:
             and direct.accepts(args)
         ):
             return direct(*args)
+        if not self.settled:  # a first call that is not a direct one's: decide ``unfused``
+            with capture_lock:
+                if not self.settled:
+                    return self._settling(args, kwargs)
         if not self.try_direct or kwargs or not self._positional(len(args)):
             return self._through_dynamo(args, kwargs)  # defaults left out: dynamo fills them in
         with capture_lock:  # dynamo compiles now (see _through_dynamo)
@@ -1210,16 +1246,7 @@ class _DynamoRunner:
         first, fired = len(graphs), len(self.backend.report.firings)
         result = self._through_dynamo(args, {})
         new = graphs[first:]
-        # Graphs no rule rewrote run what the model runs, at the cost of dynamo's guards and
-        # graph breaks and of reading every parameter through the graph module (tens of us a
-        # call, up to 2x on a small model): the model itself runs them. Not once parameters
-        # are laid out (other signatures fused), nor for graphs compiled further (Inductor).
-        self.unfused = (
-            not self.compiles
-            and not self.communicates
-            and not self.exhausted
-            and len(self.backend.report.firings) == fired
-        )
+        self._decide_unfused(fired)
         from fxrec.compile.direct import DirectCall
 
         self.direct, why = DirectCall.build(self.code, new, self.params, args, result)
@@ -1229,7 +1256,6 @@ class _DynamoRunner:
         for record in new:
             record.recording = False
             record.last_outputs = None
-        self.grad_mode = torch.is_grad_enabled()
         if self.unfused:
             note = "a signature no rule rewrote: its calls run the model as written"
         elif self.direct is None:
@@ -1237,6 +1263,31 @@ class _DynamoRunner:
         else:
             note = "one graph: calls after the first skip dynamo's guards"
         self.report.note(note)
+        return result
+
+    def _decide_unfused(self, fired: int) -> None:
+        """Graphs no rule rewrote run what the model runs, at the cost of dynamo's guards and
+        graph breaks and of reading every parameter through the graph module (tens of us a
+        call, up to 3x a small model's): the model itself runs them (see ``__call__``). Not
+        for graphs compiled further (Inductor), nor graphs that communicate. ``fired``: the
+        backend's firings before this runner's first call."""
+        self.settled = True
+        self.unfused = (
+            not self.compiles
+            and not self.communicates
+            and not self.exhausted
+            and len(self.backend.report.firings) == fired
+        )
+        self.grad_mode = torch.is_grad_enabled()
+
+    def _settling(self, args: tuple, kwargs: dict) -> Any:
+        """The first call of a runner that calls through dynamo (symbolic sizes, guards kept,
+        keyword arguments): compiles, then decides ``unfused`` as a direct one's does."""
+        fired = len(self.backend.report.firings)
+        result = self._through_dynamo(args, kwargs)
+        self._decide_unfused(fired)
+        if self.unfused:
+            self.report.note("a signature no rule rewrote: its calls run the model as written")
         return result
 
     @property
@@ -1450,13 +1501,20 @@ def _steady_call(fn: Any, args: tuple, kwargs: dict) -> Any:
 
 class _EagerRunner:
     """The model run as written, its laid-out parameters read through the flat tensors (so
-    their gradients reach the parameters the optimizer holds)."""
+    their gradients reach the parameters the optimizer holds). Without autograd there is no
+    gradient to route: the members share the flat tensors' storage, and the model reads them
+    (``views`` and ``functional_call`` cost more than a small model's call). Not for a call
+    given other flat tensors (``swapped``: ``functional_call(opt, ...)``), which only the
+    views read."""
 
-    def __init__(self, model: nn.Module, owner: FusedParameters) -> None:
+    def __init__(self, model: nn.Module, owner: FusedParameters, swapped: bool = False) -> None:
         self.model = model
         self.owner = owner
+        self.swapped = swapped
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.swapped and not torch.is_grad_enabled():
+            return self.model(*args, **kwargs)
         views = self.owner.views(self.model)
         if not views:
             return self.model(*args, **kwargs)
@@ -1468,7 +1526,7 @@ class _Unfused:
     """A signature whose trace no rule rewrote: the model runs it as written, which is what
     the trace runs, without the graph module's reads of every parameter (about 15% of a small
     model's call). Once parameters are laid out (another signature fused), the trace runs
-    it: it reads them through the flat tensors."""
+    calls with autograd: it reads them through the flat tensors."""
 
     def __init__(self, gm: fx.GraphModule, model: nn.Module, owner: FusedParameters) -> None:
         self.gm = gm
@@ -1476,9 +1534,9 @@ class _Unfused:
         self.owner = owner
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.owner.laid_out():
+        if self.owner.laid_out() and torch.is_grad_enabled():
             return self.gm(*args, **kwargs)
-        return self.model(*args, **kwargs)
+        return self.model(*args, **kwargs)  # (without autograd, members read the flat data)
 
 
 class _TraceDoesNotRun(RuntimeError):

@@ -216,6 +216,8 @@ def prepared_kjts(td: Any) -> list[KeyedJaggedTensor]:
 
 
 def _lookup(td: Any, keys: list[str], entries: list[Any]) -> KeyedJaggedTensor | None:
+    if not isinstance(td, TensorDictBase):  # a plain dict is never prepared (nor has __dict__)
+        return None
     cache = getattr(td, "__dict__", {}).get(_PREPARED)
     if not cache:
         return None

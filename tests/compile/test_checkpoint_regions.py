@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.fx as fx
 from torch import nn
 from torch.utils.checkpoint import (
     CheckpointPolicy,
@@ -203,7 +204,8 @@ def test_kernels_equal_the_models(case: str) -> None:
 
 def test_every_region_calls_checkpoint() -> None:
     """Regions drawing nothing run through ``checkpoint`` too (not node by node through
-    PyTorch's op), without keeping the RNG state; nested regions too."""
+    PyTorch's op), with the model's options and no others (PyTorch keeps the RNG state by
+    default); nested regions too."""
 
     class Nested(nn.Module):
         def __init__(self) -> None:
@@ -219,7 +221,7 @@ def test_every_region_calls_checkpoint() -> None:
     gm, _ = dynamo_graph(Nested(), torch.randn(B, D, requires_grad=True))
     (region,) = checkpoint_nodes(gm.graph)
     assert call_checkpoint(gm) == 2 and region.target is checkpointed
-    assert region.kwargs == {"use_reentrant": True, "preserve_rng_state": False}
+    assert region.kwargs == {"use_reentrant": True}
     assert checkpoint_nodes(gm.graph) == [region]  # still a region once rewritten
     assert call_checkpoint(gm) == 0
 
@@ -268,3 +270,91 @@ class SliceArgument(Towers):
 @pytest.mark.parametrize("entry", sorted(ENTRY_POINTS))
 def test_a_parameter_slice_passed_to_a_reentrant_region(entry: str) -> None:
     _trains_like_plain(SliceArgument(), entry, x_grad=False)
+
+
+class ComputedFromLaidOut(Towers):
+    """A tensor computed from a laid-out Linear's weight (``w.t()``, ``w[0]``) passed to a
+    reentrant ``checkpoint``: an input needing a gradient, though ``x`` needs none, so the
+    region trains. Only the member views fxrec's layout puts in place of a parameter are
+    parameters the region reads."""
+
+    def __init__(self, form: str) -> None:
+        super().__init__(True)
+        self.form = form
+        self.lins = nn.ModuleList(nn.Linear(D, D) for _ in range(N))  # fused: laid out
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        feats = [lin(part) for lin, part in zip(self.lins, z.split(D, 1))]
+        outs = []
+        for lin, tower in zip(self.lins, self.towers):
+            if self.form == "transposed":
+                w = lin.weight.t()
+                outs.append(checkpoint(lambda a, w, t=tower: t(a @ w), x, w, use_reentrant=True))
+            else:
+                w = lin.weight[0]
+                outs.append(checkpoint(lambda a, w, t=tower: t(a * w), x, w, use_reentrant=True))
+        return self.head(torch.cat(feats + outs, 1)).squeeze(1)
+
+
+@pytest.mark.parametrize("form", ["transposed", "row"])
+@pytest.mark.parametrize("x_grad", [False, True], ids=["input_no_grad", "input_grad"])
+def test_a_tensor_computed_from_a_laid_out_parameter_is_an_input(form: str, x_grad: bool) -> None:
+    _trains_like_plain(ComputedFromLaidOut(form), "optimize", x_grad)
+
+
+class BatchNormTowers(Towers):
+    """Towers with BatchNorm (running statistics written in place) and an EMA buffer,
+    checkpointed; optionally the BatchNorm in a region of its own inside the tower's."""
+
+    def __init__(self, reentrant: bool, nested: bool = False) -> None:
+        super().__init__(reentrant)
+        self.nested = nested
+        self.norm_in = nn.ModuleList(nn.BatchNorm1d(D) for _ in range(N))
+        self.register_buffer("ema", torch.zeros(D))
+
+    def tower(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        h = self.towers[i][0](x)
+        if self.nested:
+            h = checkpoint(self.norm_in[i], h, use_reentrant=self.options["use_reentrant"])
+        else:
+            h = self.norm_in[i](h)
+        if self.training:
+            self.ema.mul_(0.9).add_(h.detach().mean(0), alpha=0.1)
+        return self.towers[i][4](torch.relu(h) + self.ema)
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        feats = [torch.tanh(n(part)) for n, part in zip(self.norms, z.split(D, 1))]
+        outs = [checkpoint(self.tower, i, x, **self.options) for i in range(N)]
+        return self.head(torch.cat(feats + outs, 1)).squeeze(1)
+
+
+@pytest.mark.parametrize("entry", sorted(ENTRY_POINTS))
+@pytest.mark.parametrize("nested", [False, True], ids=["flat", "nested"])
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_buffers_written_in_a_region_train_like_the_plain_model(
+    entry: str, nested: bool, reentrant: bool
+) -> None:
+    """Dynamo passes the buffers as the region's inputs; a non-reentrant ``checkpoint``
+    saves its inputs, and one written in place failed its check in backward. The running
+    statistics (written in forward and again in the recomputation) equal the model's."""
+    _trains_like_plain(BatchNormTowers(reentrant, nested), entry, x_grad=True)
+
+
+def test_a_region_recomputes_without_calling_its_graph_module(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A non-reentrant recomputation stops early by raising inside the region: called as a
+    ``GraphModule``, the region caught that to format a traceback (~70 us a region a step).
+    Its ``forward`` is called instead, in forward and in the recomputation."""
+    compiled = torch.compile(Towers(False), backend=fxrec.compile_backend("eager"), dynamic=False)
+    compiled(*_inputs(True)).sum().backward()  # compiled before counting
+    calls: list[type] = []
+    wrapped = fx.graph_module._WrappedCall.__call__
+
+    def spy(self: Any, obj: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(type(obj))
+        return wrapped(self, obj, *args, **kwargs)
+
+    monkeypatch.setattr(fx.graph_module._WrappedCall, "__call__", spy)
+    compiled(*_inputs(True)).sum().backward()
+    assert calls == []

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -112,9 +113,8 @@ def test_nested_checkpointed_dropout_trains_like_the_plain_model(entry: str) -> 
 
 
 def test_a_region_with_dropout_draws_and_keeps_its_rng() -> None:
-    """Randomness inside a region is seen through the higher-order op's body; a region that
-    draws keeps the RNG state for its recomputation, one that draws nothing (eval mode)
-    does not need to."""
+    """Randomness inside a region is seen through the higher-order op's body; every region
+    keeps PyTorch's default (the RNG state kept), whether it draws or not (eval mode)."""
     x = torch.randn(4, 16, requires_grad=True)
     gm, _ = dynamo_graph(CheckpointedTowers(False), x)
     (region,) = checkpoint_nodes(gm.graph)
@@ -127,7 +127,7 @@ def test_a_region_with_dropout_draws_and_keeps_its_rng() -> None:
     (region,) = checkpoint_nodes(gm.graph)
     assert not is_random(region)
     assert call_checkpoint(gm) == 1 and region.target is checkpointed
-    assert region.kwargs["preserve_rng_state"] is False
+    assert "preserve_rng_state" not in region.kwargs
 
 
 def test_the_backend_knows_a_checkpointed_graph_draws() -> None:
@@ -229,3 +229,97 @@ def test_buffer_updates_inside_a_checkpointed_region_are_kept() -> None:
     for name, value in plain.state_dict().items():
         torch.testing.assert_close(ours.state_dict()[name], value, rtol=TOL, atol=TOL, msg=name)
     torch._dynamo.reset()
+
+
+def _fill(method: str, *args: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A draw of ``h``'s shape by an in-place sampler: ``torch.empty_like(h).method(*args)``."""
+    return lambda h: getattr(torch.empty_like(h), method)(*args)
+
+
+SAMPLERS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "bernoulli_": _fill("bernoulli_", 0.7),
+    "cauchy_": _fill("cauchy_", 0.0, 0.05),
+    "log_normal_": _fill("log_normal_", 0.0, 0.25),
+    "geometric_": _fill("geometric_", 0.5),
+    "exponential_": _fill("exponential_"),
+    "normal_": _fill("normal_"),
+    "uniform_": _fill("uniform_"),
+}
+
+
+class SampledTowers(CheckpointedTowers):
+    """Each tower scales its hidden layer by a draw of an in-place sampler; per-slice
+    LayerNorm + tanh outside the region (rules fuse those: the graph runs, not the model)."""
+
+    def __init__(self, sampler: str, reentrant: bool) -> None:
+        super().__init__(reentrant)
+        self.sampler = sampler
+        self.norms = nn.ModuleList(nn.LayerNorm(4) for _ in range(4))
+        self.head = nn.Linear(4 * len(self.towers) + 16, 1)
+
+    def block(self, x: torch.Tensor) -> torch.Tensor:
+        outs = []
+        for tower in self.towers:
+            h = tower[1](tower[0](x))
+            outs.append(tower[3](h * SAMPLERS[self.sampler](h)))
+        return torch.cat(outs, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        feats = [torch.tanh(n(part)) for n, part in zip(self.norms, x.split(4, 1))]
+        inside = checkpoint(self.block, x, use_reentrant=self.reentrant)
+        return self.head(torch.cat([*feats, inside], 1))
+
+
+@pytest.mark.parametrize("sampler", sorted(SAMPLERS))
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_in_place_samplers_in_a_region_train_like_the_plain_model(
+    sampler: str, reentrant: bool
+) -> None:
+    """The recomputation in backward draws what the forward drew (PyTorch keeps the RNG
+    state by default): the region drawing with ``empty_like(h).bernoulli_(p)`` was taken
+    for one drawing nothing, its RNG state dropped, its gradients another mask's."""
+    model = SampledTowers(sampler, reentrant)
+    x = torch.randn(8, 16, requires_grad=True)
+    assert fxrec.optimize(model, (x,)).fxrec_report.count() > 0  # rules fire: the graph runs
+    _trains_like_plain(model, "optimize")
+
+
+class _Draws(nn.Module):
+    def __init__(self, op: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.lin, self.op = nn.Linear(8, 8), op
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.op(self.lin(x))
+
+
+def _attention(p: float) -> Callable[[torch.Tensor], torch.Tensor]:
+    def attend(h: torch.Tensor) -> torch.Tensor:
+        q = h.view(2, 2, 2, 4)
+        return F.scaled_dot_product_attention(q, q, q, dropout_p=p).reshape(h.shape)
+
+    return attend
+
+
+DRAWS: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], bool]] = {
+    **{name: (lambda h, s=s: h * s(h), True) for name, s in SAMPLERS.items()},
+    "binomial": (lambda h: torch.binomial(h.detach().abs().round(), torch.full_like(h, 0.5)), True),
+    "standard_gamma": (lambda h: torch._standard_gamma(h.detach().abs() + 1), True),
+    "rrelu_": (lambda h: F.rrelu_(h * 1, training=True), True),
+    "rrelu_eval": (lambda h: F.rrelu_(h * 1), False),
+    "dropout_": (lambda h: torch.dropout_(h * 1, 0.3, True), True),
+    "dropout_eval": (lambda h: torch.dropout_(h * 1, 0.3, False), False),
+    "native_dropout": (lambda h: torch.native_dropout(h, 0.3, True)[0], True),
+    "attention_dropout": (_attention(0.2), True),
+    "attention": (_attention(0.0), False),
+    "tanh": (torch.tanh, False),
+}
+
+
+@pytest.mark.parametrize("op", sorted(DRAWS))
+def test_random_ops_are_seen_drawing(op: str) -> None:
+    """In-place samplers, and every op PyTorch tags as drawing from the RNG; dropout told
+    not to train, and attention without dropout, draw nothing."""
+    fn, draws = DRAWS[op]
+    gm, _ = dynamo_graph(_Draws(fn), torch.randn(4, 8))
+    assert any(is_random(n) for n in gm.graph.nodes) is draws

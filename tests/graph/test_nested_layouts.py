@@ -236,7 +236,7 @@ def test_a_graph_fusing_only_the_inner_layer_reads_the_outermost_flat() -> None:
     _loss(ref, ref, x).backward()
     fused = opt.fxrec_fused
     nested = {n for n, t in fused.named_parameters() if id(t) in fused.member_ids()}
-    runner = opt._runners[next(k for k in opt._runners if str((1500, D)) in str(k))]
+    runner = opt._runners[next(k for k in opt._runners if str([1500, D]) in str(k))]
     read = {n.target.split(".", 1)[1] for n in runner.graph.nodes if n.op == "get_attr"}
     assert read and not read & nested
     got = fused.grads(model)

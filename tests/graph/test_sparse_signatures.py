@@ -10,6 +10,7 @@ rows per key run the model eagerly rather than building a graph on every batch.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import random
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -32,7 +33,8 @@ KEYS = [f"f{i}" for i in range(NF)]
 
 @torch.fx.wrap
 def _as_kjt(sparse: Any) -> KeyedJaggedTensor:
-    return kjt_from_tensordict(sparse) if isinstance(sparse, TensorDictBase) else sparse
+    """A TensorDict, or a plain dict of jagged nested tensors, read as a KJT."""
+    return kjt_from_tensordict(sparse) if isinstance(sparse, (TensorDictBase, dict)) else sparse
 
 
 class _Tower(nn.Module):
@@ -175,3 +177,83 @@ def test_signature_keys_rows_per_key_not_the_number_of_ids(make: Callable) -> No
         assert other != _signature(uniform)
         assert _structure(other) != _structure(_signature(uniform))  # no graph serves both
         assert _structure(other, False) == _structure(_signature(uniform), False)
+
+
+@dataclasses.dataclass
+class _Batch:
+    """A batch type holding the KJT, as TorchRec's ``Batch`` does for ``DLRMTrain``."""
+
+    dense: torch.Tensor
+    sparse: KeyedJaggedTensor
+
+
+class _BatchTower(nn.Module):
+    """The tower on a batch's KJT (its dense part rides along)."""
+
+    def __init__(self, per_key: bool) -> None:
+        super().__init__()
+        self.tower = _Tower(per_key)
+
+    def forward(self, batch: _Batch) -> torch.Tensor:
+        return self.tower(batch.sparse)
+
+
+def _njts(kjt: KeyedJaggedTensor) -> dict[str, torch.Tensor]:
+    """``{feature: jagged nested tensor}``, a feature's rows as its bags."""
+    out = {}
+    for k, jt in kjt.to_dict().items():
+        rows = torch.split(jt.values(), jt.lengths().tolist())
+        out[k] = torch.nested.nested_tensor(list(rows), layout=torch.jagged)
+    return out
+
+
+@pytest.mark.parametrize("per_key", [False, True], ids=["smaller_batch", "variable_per_key"])
+def test_a_kjt_inside_a_dataclass_keys_by_its_rows(per_key: bool) -> None:
+    torch.manual_seed(0)
+    model = _BatchTower(per_key)
+    plain = copy.deepcopy(model.tower)
+    dense = torch.randn(2)
+    opt = fxrec.optimize(model, (_Batch(dense, _kjt([8] * NF, 0)),))
+    spks = ([3, 9] + [8] * (NF - 2), [8] * NF) if per_key else ([5] * NF, [8] * NF)
+    batches = [_kjt(spk, seed) for seed, spk in enumerate(spks, 1)]
+    _train_alike(plain, opt, model.tower, batches, lambda kjt: (_Batch(dense, kjt),))
+
+
+def test_a_dict_of_njts_keys_by_its_rows_past_the_cache() -> None:
+    """Rows of jagged nested tensors stay in the structure: no cached graph built for other
+    rows serves them once the cache is full."""
+    torch.manual_seed(0)
+    plain = _Tower(per_key=True)  # (rows averaged: the loss does not grow with the batch)
+    model = copy.deepcopy(plain)
+    opt = fxrec.optimize(model, (_njts(_kjt([2] * NF, 0)),))
+    sizes = range(3, 3 + MAX_CACHED_SIGNATURES + 3)
+    _train_alike(plain, opt, model, [_kjt([b] * NF, b) for b in sizes], lambda k: (_njts(k),))
+    first, other = _signature(_njts(_kjt([4] * NF, 1))), _signature(_njts(_kjt([4] * NF, 2)))
+    assert first == other  # the ids' count stays out
+    assert _structure(_signature(_njts(_kjt([5] * NF, 1)))) != _structure(first)
+
+
+def test_signatures_past_the_cache_build_nothing_on_later_calls(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A serving loop over many batch sizes: each size past the cache finds its shared
+    runner at once on its later calls, with no build path taken."""
+    torch.manual_seed(0)
+    plain = _Tower(per_key=False).eval()
+    opt = fxrec.optimize(copy.deepcopy(plain), (_kjt([2] * NF, 0),))
+    sizes = list(range(3, 3 + 2 * MAX_CACHED_SIGNATURES))
+    with torch.no_grad():
+        for b in sizes:
+            opt(_kjt([b] * NF, b))
+        builds = []
+        locked = module_mod.OptimizedModule._build_locked
+
+        def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+            builds.append(1)
+            return locked(self, *args, **kwargs)
+
+        monkeypatch.setattr(module_mod.OptimizedModule, "_build_locked", counted)
+        for b in sizes:
+            kjt = _kjt([b] * NF, b + 100)
+            torch.testing.assert_close(opt(kjt), plain(kjt))
+    assert builds == []

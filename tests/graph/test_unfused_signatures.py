@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 import fxrec
-from fxrec.graph.module import _DynamoRunner, _Unfused
+from fxrec.graph.module import MAX_CACHED_SIGNATURES, _DynamoRunner, _Unfused
 
 NOTE = "a signature no rule rewrote: its calls run the model as written"
 
@@ -143,3 +143,42 @@ def test_fused_signatures_do_not_run_the_model() -> None:
     with _linear_calls() as calls:
         torch.testing.assert_close(opt(x), model(x), rtol=0, atol=1e-6)
     assert calls[0] == 1  # the model's head; the graph calls no module
+
+
+def test_without_autograd_unfused_calls_run_the_model_over_laid_out_parameters() -> None:
+    """No gradient to route: the members read the flat tensors' data, and the model runs."""
+    torch.manual_seed(0)
+    model = _Towers(True)
+    opt = fxrec.optimize(copy.deepcopy(model), (torch.randn(5, 12), torch.tensor(0.0)))
+    assert opt.fxrec_fused.laid_out()
+    sgd = torch.optim.SGD(opt.parameters(), lr=0.5)
+    opt(torch.randn(5, 12), torch.tensor(0.0)).sum().backward()
+    sgd.step()  # the flat tensors move: the model must read them, not stale copies
+    model.load_state_dict(opt.state_dict())
+    opt.eval(), model.eval()
+    with torch.no_grad():
+        opt(torch.randn(5, 4), torch.randn(5, 8))  # builds (and checks) the signature
+    with torch.no_grad(), _linear_calls() as calls:
+        for _ in range(3):
+            x, rest = torch.randn(5, 4), torch.randn(5, 8)
+            torch.testing.assert_close(opt(x, rest), model(x, rest), rtol=0, atol=1e-6)
+    assert calls[0] == 3 * 2  # the head, in opt's calls and the model's
+
+
+def test_signatures_past_the_cache_of_a_dynamo_capture_run_the_model() -> None:
+    """The capture with symbolic sizes that serves batch sizes past the cache fuses nothing
+    (rules need static sizes): its calls run the model too."""
+    torch.manual_seed(0)
+    model = _Mlp("dim").eval()
+    opt = fxrec.optimize(copy.deepcopy(model), torch.randn(2, 6))
+    sizes = range(3, 3 + MAX_CACHED_SIGNATURES + 4)
+    with torch.no_grad():
+        for b in sizes:
+            opt(torch.randn(b, 6))
+        (overflow,) = opt._overflow.values()
+        assert overflow.unfused
+        with _linear_calls() as calls:
+            for b in sizes:
+                x = torch.randn(b, 6)
+                torch.testing.assert_close(opt(x), model(x), rtol=0, atol=0)
+    assert calls[0] == 2 * 2 * len(sizes)

@@ -353,3 +353,33 @@ def test_lazy_stack_of_samples_trains_optimized_and_in_a_pipeline() -> None:
         torch.testing.assert_close(got, want.detach())
     for name, p in ref.named_parameters():
         torch.testing.assert_close(opt.get_parameter(name), p, msg=name)
+
+
+class _Checked(torch.nn.Module):
+    """The collection behind a check on the batch (no symbolic trace: dynamo captures it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ebc = EmbeddingBagCollection(mixed_tables())
+
+    def forward(self, sparse: Any) -> torch.Tensor:
+        out = self.ebc(sparse).values()
+        if out.shape[0] > 0:
+            out = out * 2.0
+        return out
+
+
+def test_dict_of_njts_runs_a_dynamo_captured_model() -> None:
+    import copy
+
+    import fxrec
+
+    torch.manual_seed(0)
+    model = _Checked()
+    ref = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(5)
+    opt = fxrec.optimize(model, (dict_of_njts(random_kjt(ref.ebc, 3, gen)),))
+    assert opt.fxrec_report.capture == "dynamo"
+    for rows in (3, 4):
+        kjt = random_kjt(ref.ebc, rows, gen)
+        torch.testing.assert_close(opt(dict_of_njts(kjt)), ref(kjt))
