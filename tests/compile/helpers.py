@@ -109,3 +109,11 @@ def op_count(gm: fx.GraphModule) -> int:
         and (n.target if isinstance(n.target, str) else getattr(n.target, "__name__", ""))
         not in _VIEWS
     )
+
+
+def assert_same_state(run: nn.Module, ref: nn.Module, tol: float) -> None:
+    """``run``'s state dict (under ``torch.compile``'s wrapper or not) equals ``ref``'s."""
+    state = run.state_dict()
+    for name, p in ref.state_dict().items():
+        key = name if name in state else f"_orig_mod.{name}"  # torch.compile's wrapper
+        torch.testing.assert_close(state[key], p, rtol=tol, atol=tol, msg=name)

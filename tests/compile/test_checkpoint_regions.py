@@ -31,7 +31,7 @@ from torch.utils.checkpoint import (
 import fxrec
 from fxrec.compile.checkpoint import call_checkpoint, checkpoint_nodes, checkpointed
 from fxrec.measure import count_kernels
-from tests.compile.helpers import dynamo_graph
+from tests.compile.helpers import assert_same_state, dynamo_graph
 
 # PyTorch's warnings for a reentrant region whose inputs need no gradient, and for a
 # checkpoint called without ``use_reentrant``: the model and fxrec's run warn alike
@@ -125,10 +125,7 @@ def _trains_like_plain(model: nn.Module, entry: str, x_grad: bool) -> None:
             _assert_same_grad(got_grads.get(name), p.grad, name)
         o_run.step()
         o_ref.step()
-        state = run.state_dict()
-        for name, p in ref.state_dict().items():
-            key = name if name in state else f"_orig_mod.{name}"  # torch.compile's wrapper
-            torch.testing.assert_close(state[key], p, rtol=TOL, atol=TOL, msg=name)
+        assert_same_state(run, ref, TOL)
 
 
 @pytest.mark.parametrize("entry", sorted(ENTRY_POINTS))

@@ -30,7 +30,7 @@ from fxrec.compile.checkpoint import (
 )
 from fxrec.graph.effects import is_random
 from fxrec.graph.report import Report
-from tests.compile.helpers import dynamo_graph
+from tests.compile.helpers import assert_same_state, dynamo_graph
 
 TOL = 1e-5
 
@@ -95,10 +95,7 @@ def _trains_like_plain(model: nn.Module, entry: str) -> None:
             torch.testing.assert_close(got_grads[name], p.grad, rtol=TOL, atol=TOL, msg=name)
         o_run.step()
         o_ref.step()
-        state = run.state_dict()
-        for name, p in ref.state_dict().items():
-            key = name if name in state else f"_orig_mod.{name}"  # torch.compile's wrapper
-            torch.testing.assert_close(state[key], p, rtol=TOL, atol=TOL, msg=name)
+        assert_same_state(run, ref, TOL)
 
 
 @pytest.mark.parametrize("entry", sorted(ENTRY_POINTS))
