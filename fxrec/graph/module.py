@@ -201,13 +201,10 @@ def _tensordict_signature(x: Any) -> Any:
     rows = []
     for v in store.values():  # jagged entries by their rows (the ids' count, ragged, stays out)
         if type(v) is not _NJT:  # weighted features, dense entries: each described on its own
-            return (type(x).__name__, tuple(store), tuple(map(_entry_signature, store.values())))
+            return (type(x).__name__, tuple(store), tuple(map(_signature, store.values())))
         rows.append(_host_int(v._offsets.shape[0] - 1))
+    # one rows tuple, as a TensorDict with a batch size has: they differ by rows alone
     return (type(x).__name__, tuple(store), (_ROWS, tuple(rows)))
-
-
-def _entry_signature(v: Any) -> Any:
-    return (_ROWS, _host_int(v._offsets.shape[0] - 1)) if type(v) is _NJT else _signature(v)
 
 
 def _combined_signature(x: Any) -> Any:
@@ -1212,9 +1209,9 @@ class _DynamoRunner:
         if (
             self.unfused
             and torch.is_grad_enabled() is self.grad_mode
-            and not (self.grad_mode and self.fallback.owner.laid_out())
+            and not self.fallback.owner.reads_through_flats()
         ):
-            return self.fallback.model(*args, **kwargs)  # (no grad: members read the flats)
+            return self.fallback.model(*args, **kwargs)
         direct = self.direct
         if (
             direct is not None
@@ -1513,7 +1510,7 @@ class _EagerRunner:
         self.swapped = swapped
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not self.swapped and not torch.is_grad_enabled():
+        if not self.swapped and not self.owner.reads_through_flats():
             return self.model(*args, **kwargs)
         views = self.owner.views(self.model)
         if not views:
@@ -1534,9 +1531,9 @@ class _Unfused:
         self.owner = owner
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.owner.laid_out() and torch.is_grad_enabled():
+        if self.owner.reads_through_flats():
             return self.gm(*args, **kwargs)
-        return self.model(*args, **kwargs)  # (without autograd, members read the flat data)
+        return self.model(*args, **kwargs)
 
 
 class _TraceDoesNotRun(RuntimeError):

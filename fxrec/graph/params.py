@@ -487,6 +487,12 @@ class FusedParameters(nn.Module):
         """Are any parameters laid out in flat tensors? (One dict read: checked per call.)"""
         return bool(self._members)
 
+    def reads_through_flats(self) -> bool:
+        """Must this call read laid-out parameters through the flat tensors? Only with
+        autograd (so that gradients reach them): without it the members, which share the
+        flat tensors' storage, read the same values, and the model runs as written."""
+        return bool(self._members) and torch.is_grad_enabled()
+
     def freeze(self) -> None:
         """No new layouts from now on: graphs built later reuse the existing ones.
 

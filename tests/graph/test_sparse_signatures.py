@@ -127,18 +127,24 @@ def test_variable_batch_per_key_trains_like_the_model(kind: str) -> None:
     _train_alike(plain, opt, members, batches, feed)
 
 
+def _count_calls(monkeypatch: pytest.MonkeyPatch, method: str) -> list[int]:
+    """A list that grows by one on each call of ``OptimizedModule.<method>`` from now on."""
+    calls: list[int] = []
+    original = getattr(module_mod.OptimizedModule, method)
+
+    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(module_mod.OptimizedModule, method, counted)
+    return calls
+
+
 @pytest.mark.parametrize("kind", ["kjt", "td"])
 def test_rows_per_key_past_the_cache_stay_right_without_a_build_per_batch(
     kind: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    builds = []
-    build = module_mod.OptimizedModule._optimize_traced
-
-    def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
-        builds.append(1)
-        return build(self, *args, **kwargs)
-
-    monkeypatch.setattr(module_mod.OptimizedModule, "_optimize_traced", counted)
+    builds = _count_calls(monkeypatch, "_optimize_traced")
     torch.manual_seed(0)
     plain = _Tower(per_key=True)
     opt, members, feed = _optimized(plain, _kjt([6] * NF, 0), kind)
@@ -245,14 +251,7 @@ def test_signatures_past_the_cache_build_nothing_on_later_calls(
     with torch.no_grad():
         for b in sizes:
             opt(_kjt([b] * NF, b))
-        builds = []
-        locked = module_mod.OptimizedModule._build_locked
-
-        def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
-            builds.append(1)
-            return locked(self, *args, **kwargs)
-
-        monkeypatch.setattr(module_mod.OptimizedModule, "_build_locked", counted)
+        builds = _count_calls(monkeypatch, "_build_locked")
         for b in sizes:
             kjt = _kjt([b] * NF, b + 100)
             torch.testing.assert_close(opt(kjt), plain(kjt))
