@@ -19,6 +19,9 @@ What the rewritten graph starts with:
   TensorDict of views over that slice. A TensorDict's dense (non-jagged) entries are not
   features: they travel as dense arguments and are put back into the rebuilt TensorDict,
   which has the example's batch dims and device-or-none (``td.shape``, ``td.numel()``).
+  Per-sample TensorDicts lazily stacked are read as the collections read them: a sample's
+  1-D integer tensor is a feature's ids (equal in number across samples or not), a
+  ``{"values", "weights"}`` sub-TensorDict a weighted feature, other entries dense.
 
 Order of use: ``new, packer = combine_inputs(model, args)``, then ``fxrec.optimize(new,
 packer(*args))`` (the rebuilt arguments are tracing leaves, so the graph rules see the same
@@ -41,7 +44,7 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.fx as fx
-from tensordict import TensorDict, TensorDictBase
+from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 from torch import nn
 
 from fxrec.graph.capture import CaptureError, capture_symbolic
@@ -545,6 +548,38 @@ def _is_dense_entry(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and not value.is_nested
 
 
+def _dense_keys(td: TensorDictBase) -> tuple[str, ...]:
+    """A TensorDict's entries that are no features, in its order."""
+    keys = list(td.keys())  # (iterating a TensorDict gives its rows)
+    if isinstance(td, LazyStackedTensorDict):
+        return tuple(k for k in keys if not _is_stacked_feature(td, k))
+    return tuple(k for k in keys if _is_dense_entry(td.get(k)))
+
+
+def _is_stacked_feature(td: LazyStackedTensorDict, key: str) -> bool:
+    """Is ``key`` a feature of TensorDicts lazily stacked? Read sample by sample: a plain
+    ``get`` stacks them, which fails on ragged ids and makes equal-length ones dense.
+
+    As the collections read per-sample TensorDicts (:func:`~fxrec.sparse.kjt_from_tensordict`),
+    a sample's 1-D tensor of integers is its ids, whatever their number, and a sub-TensorDict
+    a weighted feature's ``{"values", "weights"}``; entries of one shape in every sample that
+    are not ids (floating point, 0-d, more dims) are dense.
+    """
+    entries = [sample.get(key) for sample in td.tensordicts]
+    if not all(_is_dense_entry(e) for e in entries):
+        return True
+    if len({e.shape for e in entries}) > 1:
+        return True  # no dense tensor stacks them
+    of_samples = td.stack_dim == 0 and td.batch_dims == 1
+    return of_samples and bool(entries) and entries[0].dim() == 1 and _holds_ids(entries[0])
+
+
+def _holds_ids(t: torch.Tensor) -> bool:
+    """Integer ids (not floating point, complex or bool values)."""
+    d = t.dtype
+    return not (d.is_floating_point or d.is_complex or d == torch.bool)
+
+
 def _dense_entries(td: Any, slot: _Slot) -> list[torch.Tensor]:
     if not isinstance(td, TensorDictBase):
         raise ValueError(
@@ -552,7 +587,14 @@ def _dense_entries(td: Any, slot: _Slot) -> list[torch.Tensor]:
         )
     out = []
     for k in slot.dense_keys:
-        value = td.get(k, None)
+        try:
+            value = td.get(k, None)
+        except RuntimeError as exc:  # per-sample entries lazily stacked, of different shapes
+            raise ValueError(
+                f"TensorDict argument {slot.positions[0]}: entry {k!r} must be a dense tensor "
+                "(as in the example batch), of one shape in every sample: give each sample "
+                f"the same shape, or 1-D integer ids to make it a feature ({exc})"
+            ) from exc
         if not _is_dense_entry(value):
             raise ValueError(
                 f"TensorDict argument {slot.positions[0]}: entry {k!r} must be a dense tensor "
@@ -689,7 +731,7 @@ def _classify(
             weighted += [value.weights_or_none() is not None] * len(keys)
         elif isinstance(value, TensorDictBase):
             order = tuple(value.keys())
-            dense = tuple(k for k in order if _is_dense_entry(value.get(k)))
+            dense = _dense_keys(value)
             if len(dense) == len(order):  # no features: a dense argument
                 slots.append(_Slot(_DENSE, (i,)))
                 continue

@@ -857,3 +857,96 @@ def test_without_validation_per_feature_inputs_are_still_checked_for_dtypes():
         assert cf.length_per_key == tuple(v.numel() for _, v, *_ in feats)
         with pytest.raises(ValueError, match=r"feature 'f1': ids of dtype torch\.int32"):
             packer(*_with(args, feats, "f1", ids=feats[1][1].int()))
+
+
+class ReadsLazyStack(nn.Module):
+    """fxrec's collection on per-sample TensorDicts lazily stacked, beside their dense
+    entries (a float vector and a scalar per sample)."""
+
+    def __init__(self, weighted: bool, with_dense: bool) -> None:
+        super().__init__()
+        from fxrec.nn import EmbeddingBagCollection, EmbeddingBagConfig
+
+        tables = [
+            EmbeddingBagConfig(
+                name=f"t{i}", num_embeddings=NUM_EMB, embedding_dim=3, feature_names=[f"f{i}"]
+            )
+            for i in range(2)
+        ]
+        self.ebc = EmbeddingBagCollection(tables, is_weighted=weighted)
+        self.with_dense = with_dense
+        self.over = nn.Linear(6 + (4 if with_dense else 0), 1)
+
+    def forward(self, td):
+        parts = [self.ebc(td).values()]
+        if self.with_dense:
+            parts += [td["dense"], td["age"].unsqueeze(1)]
+        return self.over(torch.cat(parts, 1))
+
+
+def _lazy_samples(lengths, weighted, with_dense, g):  # type: ignore[no-untyped-def]
+    """Per-sample TensorDicts (``lengths``: each sample's id count per feature), lazily
+    stacked; the dense entries come first and between the features."""
+    from tensordict import LazyStackedTensorDict, TensorDict
+
+    samples = []
+    for row in lengths:
+        entries: dict = {"dense": torch.randn(3, generator=g)} if with_dense else {}
+        for f, n in enumerate(row):
+            ids = torch.randint(0, NUM_EMB, (n,), generator=g)
+            w = torch.rand(n, generator=g)
+            entries[f"f{f}"] = TensorDict({"values": ids, "weights": w}, []) if weighted else ids
+            if with_dense and f == 0:
+                entries["age"] = torch.rand((), generator=g)
+        samples.append(TensorDict(entries, batch_size=[]))
+    return LazyStackedTensorDict.lazy_stack(samples, 0)
+
+
+@st.composite
+def sample_lengths(draw):  # type: ignore[no-untyped-def]
+    """Each sample's id count per feature (2 features); a feature's counts may all be equal."""
+    batch = draw(st.integers(1, 5))
+    cols = []
+    for _ in range(2):
+        if draw(st.booleans()):
+            cols.append([draw(st.integers(0, 3))] * batch)
+        else:
+            cols.append(draw(st.lists(st.integers(0, 3), min_size=batch, max_size=batch)))
+    return [list(r) for r in zip(*cols)]
+
+
+@settings(deadline=None, max_examples=30)
+@given(
+    lengths=sample_lengths(),
+    other=sample_lengths(),
+    weighted=st.booleans(),
+    with_dense=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_lazily_stacked_samples_are_packed_as_the_collection_reads_them(
+    lengths, other, weighted, with_dense, seed
+):
+    # A plain get of the stack would fail on ragged ids and stack equal-length ones into a
+    # dense tensor; each sample's 1-D integer ids are a feature, its float vector dense.
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    model = ReadsLazyStack(weighted, with_dense)
+    td = _lazy_samples(lengths, weighted, with_dense, g)
+    new, packer = combine_inputs(model, (td,))
+    new_args = packer(td)
+    assert list(new_args[-1].keys) == ["f0", "f1"]
+    assert transfer_count(new_args[-1]) == (3 if weighted else 2)
+    assert len(new_args) == (3 if with_dense else 1)
+    check_same(model, new, (td,), new_args)
+    later = _lazy_samples(other, weighted, with_dense, g)
+    check_same(model, new, (later,), packer(later))
+
+
+def test_lazily_stacked_dense_entry_of_other_shapes_is_refused():
+    g = torch.Generator().manual_seed(6)
+    model = ReadsLazyStack(weighted=False, with_dense=True)
+    _, packer = combine_inputs(model, (_lazy_samples([[1, 2], [3, 0]], False, True, g),))
+    td = _lazy_samples([[1, 1], [2, 2]], False, True, g)
+    td.tensordicts[1]["dense"] = torch.randn(4, generator=g)
+    with pytest.raises(ValueError, match=r"entry 'dense' must be a dense tensor.*same shape"):
+        packer(td)
