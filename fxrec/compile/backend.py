@@ -29,6 +29,8 @@ What this guarantees:
 from __future__ import annotations
 
 import copy
+import functools
+import inspect
 import logging
 from collections import Counter
 from collections.abc import Callable, Collection, Sequence
@@ -76,6 +78,50 @@ def inner_backend(inner: str | Backend) -> Backend:
         raise ValueError(
             f"unknown inner backend {inner!r}; use a callable or one of: {known}"
         ) from exc
+
+
+def _with_compile_options(
+    inner: str | Backend, inner_fn: Backend, mode: str | None, options: dict[str, Any] | None
+) -> Backend:
+    """``inner_fn`` taking ``torch.compile``'s ``mode=``/``options=``, which ``torch.compile``
+    hands its backend (this one) as keyword arguments, as ``torch.compile`` would give them.
+
+    ``"inductor"`` gets them as Inductor's config, through the wrapper ``torch.compile`` builds
+    for ``backend="inductor"`` (same modes, same checks of option names). ``"eager"`` ignores
+    them with a warning, as dynamo's own ``eager`` backend does; other registered backends and
+    callables that accept them get them as keyword arguments; any other callable cannot.
+    """
+    given = {k: v for k, v in (("mode", mode), ("options", options)) if v}
+    if not given:
+        return inner_fn
+    if inner == "inductor":
+        from torch import _TorchCompileInductorWrapper
+
+        return _TorchCompileInductorWrapper(mode, options, None)
+    if inner == "eager":
+        logger.warning("fxrec.compile_backend: inner backend 'eager' ignores %s", given)
+        return inner_fn
+    if isinstance(inner, str) or _takes_keywords(inner_fn, given):
+        return functools.partial(inner_fn, **given)
+    shown = ", ".join(f"{k}={v!r}" for k, v in given.items())
+    raise TypeError(
+        f"fxrec.compile_backend: torch.compile passed {shown} to the inner backend "
+        f"{getattr(inner_fn, '__name__', inner_fn)!r}, which takes no such argument. Drop "
+        "mode=/options= from torch.compile, use compile_backend('inductor') (which applies "
+        "them), or give the inner backend the keyword arguments (**kwargs)."
+    )
+
+
+def _takes_keywords(fn: Callable[..., Any], given: dict[str, Any]) -> bool:
+    """Can ``fn`` be called with the keyword arguments ``given``?"""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (a builtin): let the call say
+        return True
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return True
+    names = {p.name for p in params if p.kind is not inspect.Parameter.POSITIONAL_ONLY}
+    return set(given) <= names
 
 
 def _fake_mode(gm: fx.GraphModule) -> Any:
@@ -203,6 +249,8 @@ def compile_backend(
     Usage: ``torch.compile(model, backend=fxrec.compile_backend())``, or
     ``compile_backend("aot_eager")`` to check a rewrite without Inductor's C++ build.
     ``rules`` picks rules by name, class or instance (default: every registered rule).
+    ``torch.compile``'s ``mode=``/``options=`` reach ``inner`` as ``torch.compile`` would pass
+    them to it (Inductor's config for ``"inductor"``; ``"eager"`` ignores them, with a warning).
     ``fxrec.optimize`` passes ``model`` and ``owner`` so that parameters become ``get_attr``
     nodes and are laid out once, except the buffers named in ``assigned``, which forward
     reassigns (each call reads the tensor the last one assigned). The backend's ``report`` attribute accumulates what each
@@ -211,14 +259,21 @@ def compile_backend(
     its ``communicates`` attribute whether any graph holds a collective, its ``draws`` whether
     any draws random numbers.
     """
-    inner_fn = inner_backend(inner)
+    default_inner = inner_backend(inner)
     eager = isinstance(inner, str) and inner == "eager"
     inner_is_inductor = isinstance(inner, str) and inner == "inductor"
     rule_list = resolve_rules(rules)
     rep = report if report is not None else Report(capture="dynamo")
     graphs: list[GraphRecord] = []
 
-    def backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+    def backend(
+        gm: fx.GraphModule,
+        example_inputs: Sequence[Any],
+        *,
+        mode: str | None = None,
+        options: dict[str, Any] | None = None,
+    ) -> Callable[..., Any]:
+        inner_fn = _with_compile_options(inner, default_inner, mode, options)
         keep: list[int] | None = None
         if any(is_random(n) for n in gm.graph.nodes):
             backend.draws = True  # type: ignore[attr-defined]

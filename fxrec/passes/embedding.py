@@ -75,7 +75,7 @@ from fxrec.passes.pointwise import unary_op
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Lookup", "lookup_call", "FuseParallelLookups"]
+__all__ = ["Lookup", "lookup_call", "FuseParallelLookups", "eager_only_lookups"]
 
 EMBEDDING_FUNCTIONS = {F.embedding}
 EMBEDDING_BAG_FUNCTIONS = {F.embedding_bag}
@@ -169,6 +169,16 @@ def _tbe_usable(ctx: RewriteContext, lk: Lookup, wi: meta.TensorInfo, ii: meta.T
     from fxrec.nn import _fbgemm
 
     return _fbgemm.has_kernel(wi.device.type)
+
+
+def eager_only_lookups(gm: fx.GraphModule) -> list[fx.Node]:
+    """The fbgemm table-batched lookups in ``gm``: :func:`_tbe_usable` puts them only in
+    graphs run as they are, since they have no fake kernel. A graph traced further (by
+    ``torch.export``) must be rewritten with ``runs_eagerly=False``, which does them with
+    torch ops."""
+    from fxrec.nn._fbgemm import pooled_lookup
+
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is pooled_lookup]
 
 
 def _int64_cast_of(node: fx.Node, ctx: RewriteContext) -> fx.Node | None:

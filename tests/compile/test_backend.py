@@ -10,6 +10,7 @@ import copy
 
 import pytest
 import torch
+import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
@@ -26,6 +27,7 @@ from tests.compile.helpers import (
     op_count,
     outputs_and_grads,
 )
+from tests.records import recorded
 
 
 class Spellings(nn.Module):
@@ -273,3 +275,82 @@ def test_clamp_positional_bounds_kept() -> None:
 def test_bad_inner_backend_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="inner backend"):
         fxrec.compile_backend("no_such_backend")
+
+
+class _InductorConfigs:
+    """Stands in for Inductor's ``compile_fx``: keeps the config each graph is compiled with
+    and runs the graph eagerly (what reaches Inductor is tested, without its C++ build)."""
+
+    def __init__(self) -> None:
+        self.patches: list[dict] = []
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: list, **kwargs: object) -> object:
+        self.patches.append(dict(kwargs.get("config_patches") or {}))
+        return gm.forward
+
+
+@pytest.mark.parametrize(
+    "how", [{"mode": "max-autotune-no-cudagraphs"}, {"options": {"epilogue_fusion": False}}]
+)
+def test_compile_mode_and_options_reach_inductor(how: dict, monkeypatch: pytest.MonkeyPatch):
+    """``torch.compile(..., mode=/options=)`` hands them to its backend as keyword arguments:
+    Inductor behind fxrec gets the config ``torch.compile(backend="inductor")`` gives it."""
+    import torch._inductor.compile_fx as compile_fx_module
+
+    seed = SeedPattern(6, d=8)
+    args = seed.example(4)
+    plain, ours = _InductorConfigs(), _InductorConfigs()
+    monkeypatch.setattr(compile_fx_module, "compile_fx", plain)
+    torch._dynamo.reset()
+    torch.compile(copy.deepcopy(seed), **how)(*args)
+    monkeypatch.setattr(compile_fx_module, "compile_fx", ours)
+    torch._dynamo.reset()
+    be = fxrec.compile_backend("inductor")
+    twin = copy.deepcopy(seed)
+    compiled = torch.compile(twin, backend=be, dynamic=False, **how)
+    assert_same(outputs_and_grads(twin, args, compiled), outputs_and_grads(seed, args))
+    assert be.report.count() > 0
+    assert plain.patches and plain.patches[0]  # the mode or options made a config
+    assert ours.patches and all(p == plain.patches[0] for p in ours.patches)
+
+
+def test_compile_mode_with_eager_inner_is_ignored_with_a_warning() -> None:
+    """As dynamo's own ``eager`` backend does; ``aot_eager`` gets them and decides itself."""
+    seed = SeedPattern(6, d=8)
+    args = seed.example(4)
+    for inner in ("eager", "aot_eager"):
+        torch._dynamo.reset()
+        be = fxrec.compile_backend(inner)
+        twin = copy.deepcopy(seed)
+        with recorded("fxrec") as logs:
+            compiled = torch.compile(twin, backend=be, mode="max-autotune-no-cudagraphs")
+            got = outputs_and_grads(twin, args, compiled)
+        assert_same(got, outputs_and_grads(seed, args))
+        assert be.report.count() > 0
+        warned = [m for m in logs.messages if "ignores" in m and "max-autotune" in m]
+        assert bool(warned) == (inner == "eager")
+
+
+def test_compile_mode_reaches_a_callable_inner_that_takes_it_and_no_other() -> None:
+    """A callable inner backend gets them as dynamo's backends do; one without the keyword
+    arguments gets an error saying what to do, not Python's unexpected keyword argument."""
+    seen: list[dict] = []
+
+    def takes_options(gm: fx.GraphModule, example_inputs: list, **kwargs: object) -> object:
+        seen.append(kwargs)
+        return gm.forward
+
+    def takes_none(gm: fx.GraphModule, example_inputs: list) -> object:
+        return gm.forward
+
+    seed = SeedPattern(6, d=8)
+    args = seed.example(4)
+    torch._dynamo.reset()
+    be = fxrec.compile_backend(takes_options)
+    compiled = torch.compile(seed, backend=be, mode="reduce-overhead")
+    torch.testing.assert_close(compiled(*args), seed(*args))
+    assert seen == [{"mode": "reduce-overhead"}] and be.report.count() > 0
+    torch._dynamo.reset()
+    compiled = torch.compile(seed, backend=fxrec.compile_backend(takes_none), options={"a": 1})
+    with pytest.raises(Exception, match="takes no such argument"):
+        compiled(*args)

@@ -7,6 +7,8 @@ unpickling."""
 
 from __future__ import annotations
 
+import copy
+import re
 import warnings
 from pathlib import Path
 
@@ -349,3 +351,162 @@ def test_program_called_with_the_other_kind_of_kjt_says_so(weighted: bool, tmp_p
         fx_pytree.tree_flatten_spec(_small_kjt(not weighted), spec)
     with pytest.raises(ValueError, match=r"got one with keys \['a', 'c'\]"):
         fx_pytree.tree_flatten_spec(_small_kjt(weighted, ("a", "c")), spec)
+
+
+class PlainBags(nn.Module):
+    """Four ``nn.EmbeddingBag``s on 2-D ids (one bag per row), then a Linear: in float32 on a
+    CPU with fbgemm, the fused lookup of graphs run eagerly is fbgemm's table-batched one.
+    ``bag_lens``: ids per bag of each table (mixed lengths share fbgemm's lookup only)."""
+
+    def __init__(self, mode: str, bag_lens: tuple[int, ...], weighted: bool) -> None:
+        super().__init__()
+        self.bag_lens, self.weighted = bag_lens, weighted
+        starts = [sum(bag_lens[:i]) for i in range(len(bag_lens))]
+        self.spans = [(a, a + n) for a, n in zip(starts, bag_lens)]
+        self.bags = nn.ModuleList(nn.EmbeddingBag(50, 8, mode=mode) for _ in bag_lens)
+        self.head = nn.Linear(8 * len(bag_lens), 1)
+
+    def forward(self, ids: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+        parts = []
+        for bag, (a, b) in zip(self.bags, self.spans):
+            w = weights[:, a:b] if self.weighted else None
+            parts.append(bag(ids[:, a:b], per_sample_weights=w))
+        return self.head(torch.cat(parts, 1))
+
+
+def _plain_batch(rows: int, model: PlainBags, weighted: bool) -> tuple[torch.Tensor, ...]:
+    ids = torch.randint(0, 50, (rows, sum(model.bag_lens)))
+    return (ids, torch.rand(ids.shape)) if weighted else (ids,)
+
+
+PLAIN_CASES = {
+    "sum": ("sum", (2, 2, 2, 2), False),
+    "mean": ("mean", (2, 2, 2, 2), False),
+    "weighted": ("sum", (2, 2, 2, 2), True),
+    "mixed_bag_lengths": ("sum", (2, 3, 2, 3), False),
+}
+
+
+UNFUSED_READ_NOT_EXPORTABLE = pytest.mark.xfail(
+    strict=True,
+    reason="a bag read through its flat table is a torch.func.functional_call whose dict "
+    "arguments non-strict export's interpreter passes immutable (fxrec/graph/params.py)",
+)
+
+
+@pytest.mark.parametrize(
+    ("case", "strict"),
+    [
+        pytest.param(c, s, marks=UNFUSED_READ_NOT_EXPORTABLE)
+        if c == "mixed_bag_lengths" and not s
+        else (c, s)
+        for c in PLAIN_CASES
+        for s in (False, True)
+    ],
+)
+def test_export_of_fused_bags_does_their_lookup_in_torch_ops(
+    case: str, strict: bool, tmp_path: Path
+) -> None:
+    """Calls run fbgemm's lookup, which has no fake kernel; the program does it with torch ops
+    (the rules' form for graphs traced further), takes any batch size, and survives a save
+    and load. Exporting leaves the module's graphs and layouts as they were."""
+    from fxrec.nn._fbgemm import has_kernel, pooled_lookup
+
+    mode, bag_lens, weighted = PLAIN_CASES[case]
+    model = PlainBags(mode, bag_lens, weighted).eval()
+    plain = copy.deepcopy(model)
+    example = _plain_batch(8, model, weighted)
+    opt = fxrec.optimize(model, example).eval()
+    params = list(opt.parameters())
+    fired = [f.detail for f in opt.fxrec_report.firings if f.rule == "parallel_embedding"]
+    assert fired and (not has_kernel("cpu") or "fbgemm" in fired[0])
+    batch = Dim("batch", min=2)
+    shapes = tuple({0: batch} for _ in example)
+    ep = fxrec.export(opt, example, dynamic_shapes=shapes, strict=strict)
+    lookups = [
+        str(n.target)
+        for n in ep.graph.nodes
+        if n.op == "call_function" and re.search("embedding_bag|index_select", str(n.target))
+    ]
+    # one for bags of one length; torch's form takes one length per lookup, and the tables of
+    # each length, apart in fbgemm's laid-out table, would be gathered per call: one a table
+    assert len(lookups) == (1 if len(set(bag_lens)) == 1 else len(bag_lens)), lookups
+    loaded = _save_and_load(ep, tmp_path / "bags.pt2")
+    for rows in (2, 5, 8, 13):
+        x = _plain_batch(rows, model, weighted)
+        want = plain(*x)
+        torch.testing.assert_close(ep.module()(*x), want, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(loaded.module()(*x), want, rtol=1e-5, atol=1e-6)
+    # the module's own calls: the same parameters, outputs and gradients as the model
+    assert list(opt.parameters()) == params
+    runner, _, _ = opt._runner(example, {})
+    assert has_kernel("cpu") == any(n.target is pooled_lookup for n in runner.graph.nodes)
+    out = opt(*example)
+    torch.testing.assert_close(out, plain(*example), rtol=1e-5, atol=1e-6)
+    out.sum().backward()
+    plain(*example).sum().backward()
+    grads = opt.fxrec_fused.grads(model)
+    for name, p in plain.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_export_of_fused_bags_falls_back_to_the_unfused_trace(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where the graph rewritten for tracing disagreed with the model, the model's trace is
+    exported, reading the tables through the flat one that holds them."""
+    import fxrec.graph.module as module
+
+    model = PlainBags("sum", (2, 2, 2, 2), False).eval()
+    plain = copy.deepcopy(model)
+    example = _plain_batch(8, model, False)
+    opt = fxrec.optimize(model, example).eval()
+    monkeypatch.setattr(module, "_same_outputs", lambda *args, **kwargs: False)
+    with recorded("fxrec") as logs:
+        ep = fxrec.export(opt, example, dynamic_shapes=({0: Dim("batch", min=2)},), strict=True)
+    assert any("disagrees" in m for m in logs.messages)
+    assert any("fxrec_fused" in n for n in ep.state_dict)
+    x = _plain_batch(5, model, False)
+    torch.testing.assert_close(ep.module()(*x), plain(*x), rtol=1e-5, atol=1e-6)
+
+
+class JaggedBags(nn.Module):
+    """Six ``nn.EmbeddingBag``s on one feature's 1-D ids with offsets (and per-sample weights
+    when summed): the fused lookup over jagged ids, which is torch ops on every path."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__()
+        self.bags = nn.ModuleList(nn.EmbeddingBag(30, 4, mode=mode) for _ in range(6))
+        self.weighted = mode == "sum"
+        self.head = nn.Linear(24, 1)
+
+    def forward(
+        self, ids: torch.Tensor, offsets: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        psw = weights if self.weighted else None
+        return self.head(torch.cat([b(ids, offsets, per_sample_weights=psw) for b in self.bags], 1))
+
+
+def _jagged_batch(rows: int) -> tuple[torch.Tensor, ...]:
+    lengths = torch.randint(1, 4, (rows,))
+    ids = torch.randint(0, 30, (int(lengths.sum()),))
+    return ids, torch.cumsum(lengths, 0) - lengths, torch.rand(ids.shape)
+
+
+@pytest.mark.parametrize("strict", [False, True])
+@pytest.mark.parametrize("mode", ["sum", "mean"])
+def test_export_of_fused_bags_on_jagged_ids(mode: str, strict: bool, tmp_path: Path) -> None:
+    model = JaggedBags(mode).eval()
+    plain = copy.deepcopy(model)
+    example = _jagged_batch(4)
+    opt = fxrec.optimize(model, example).eval()
+    assert opt.fxrec_report.count("parallel_embedding") == 1
+    n_ids = Dim("ids", min=2)
+    shapes = ({0: n_ids}, {0: Dim("rows", min=2)}, {0: n_ids})
+    ep = fxrec.export(opt, example, dynamic_shapes=shapes, strict=strict)
+    loaded = _save_and_load(ep, tmp_path / "jagged.pt2")
+    for rows in (2, 5, 9):
+        x = _jagged_batch(rows)
+        want = plain(*x)
+        torch.testing.assert_close(ep.module()(*x), want, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(loaded.module()(*x), want, rtol=1e-5, atol=1e-6)
