@@ -57,6 +57,7 @@ __all__ = [
     "ABSENT",
     "ENDED",
     "absent_ranks",
+    "announce_refusal",
     "key_index",
     "request_absent",
     "request_counts",
@@ -98,6 +99,11 @@ class IdsLayout:
     # against them before anything is sent (the owner would refuse a bad one after the
     # exchange, with its peers already waiting for its pooled rows)
     rows: tuple[tuple[str, int, str], ...] = ()
+
+    def features(self) -> list[str]:
+        """The features the collection reads, by their own names (``send_keys`` name a
+        row-wise feature's shards)."""
+        return [f for f, _, _ in self.rows] if self.rows else list(self.send_keys)
 
 
 @dataclass
@@ -248,10 +254,7 @@ def request_counts(kjt: KeyedJaggedTensor, layout: IdsLayout, rows: Any = None) 
     try:
         grad = _check_input(kjt, layout)
     except ValueError as exc:
-        # The other ranks are in this exchange: announce no batch, so that they skip it at
-        # once (MissingBatch) instead of waiting for ids until the group's timeout. The
-        # handle goes with the error, for a train pipeline that keeps it as its exchange.
-        exc.fxrec_absent = request_absent(layout)  # type: ignore[attr-defined]
+        announce_refusal(exc, layout)
         raise
     if rows is not None:
         kjt = rows.route(kjt)
@@ -280,8 +283,7 @@ def _check_input(kjt: KeyedJaggedTensor, layout: IdsLayout) -> int:
     by its owner's lookup would fail that rank mid-exchange, and its peers would wait for
     the group's timeout instead of hearing at once that this rank has no batch.
     """
-    # The features by their own names (``send_keys`` name a row-wise feature's shards).
-    key_index(kjt, [f for f, _, _ in layout.rows] if layout.rows else layout.send_keys)
+    key_index(kjt, layout.features())
     values, weights = kjt.values(), kjt.weights_or_none()
     if values.is_floating_point() or values.is_complex() or values.dtype == torch.bool:
         raise ValueError(
@@ -339,6 +341,15 @@ def request_absent(layout: IdsLayout, ended: bool = False) -> CountsHandle:
     except (RuntimeError, dist.DistError) as exc:
         raise CommError(f"rank {pg.rank()}: could not start the id-count exchange: {exc}") from exc
     return CountsHandle(layout, None, work, send, recv, [0] * pg.size(), code)
+
+
+def announce_refusal(exc: BaseException, layout: IdsLayout) -> None:
+    """This rank refused its input (``exc``) before the exchange the other ranks are in:
+    announce no batch, so that they skip it at once (``MissingBatch``) instead of waiting
+    for ids until the group's timeout. The handle goes with the error
+    (``exc.fxrec_absent``), for a train pipeline that keeps it as its exchange."""
+    if getattr(exc, "fxrec_absent", None) is None:
+        exc.fxrec_absent = request_absent(layout)  # type: ignore[attr-defined]
 
 
 def absent_ranks(splits: IdsSplits) -> list[int]:

@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import hashlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -37,7 +38,10 @@ from fxrec.distributed import dist_ops
 from fxrec.distributed import row_wise as rowwise
 from fxrec.distributed.comm import group_name, translated
 from fxrec.distributed.plan import ShardingPlan, TableSpec, greedy_plan
-from fxrec.sparse import KeyedJaggedTensor, KeyedTensor, kjt_from_tensordict, prepare_kjt
+from fxrec.nn.config import EmbeddingBagConfig
+from fxrec.nn.inputs import as_kjt as read_input
+from fxrec.nn.layout import Layout, plan_layout
+from fxrec.sparse import KeyedJaggedTensor, KeyedTensor, prepare_kjt
 
 logger = logging.getLogger(__name__)
 
@@ -194,11 +198,12 @@ class ShardedEmbeddingBagCollection(nn.Module):
 
     Every rank constructs it from the same (identically initialised) collection; each keeps
     only its own tables and its block of each row-wise table. ``forward`` takes this rank's
-    local batch (KJT, or TensorDict of jagged tensors) and returns what the unsharded
-    collection returns for that batch. ``state_dict`` holds this rank's tables under the
-    original keys (for a row-wise table, this rank's rows: :meth:`row_range`), also inside a
-    model's; ``load_state_dict`` takes a full state dict (whole row-wise tables are cut to
-    this rank's rows, other ranks' tables are skipped) or this rank's.
+    local batch (any input the unsharded collection takes, read as it reads it) and returns
+    what the unsharded collection returns for that batch. ``state_dict`` holds this rank's
+    tables under the original keys (for a row-wise table, this rank's rows:
+    :meth:`row_range`), also inside a model's; ``load_state_dict`` takes a full state dict
+    (whole row-wise tables are cut to this rank's rows, other ranks' tables are skipped) or
+    this rank's.
     """
 
     # Its forward runs collectives: fxrec.optimize never runs a call of a model holding it a
@@ -411,7 +416,7 @@ class ShardedEmbeddingBagCollection(nn.Module):
 
     # -- forward ----------------------------------------------------------------------------
     def forward(self, features: Any) -> KeyedTensor:
-        kjt = as_kjt(features)
+        kjt = as_kjt(features, self._layout)
         counts = dist_ops.request_counts(kjt, self._layout, self._routing)
         splits = dist_ops.wait_counts(counts)
         handle = dist_ops.send_ids(splits)
@@ -424,8 +429,11 @@ class ShardedEmbeddingBagCollection(nn.Module):
 
     def request_counts(self, features: Any) -> tuple[Any, dist_ops.CountsHandle]:
         """Start the id-count exchange for ``features`` (returns at once): their KJT and the
-        handle for ``wait_counts`` -> ``send_ids`` -> ``wait_ids`` -> :meth:`finish`."""
-        kjt = kept_kjt(features)
+        handle for ``wait_counts`` -> ``send_ids`` -> ``wait_ids`` -> :meth:`finish`.
+
+        Input refused (here, or by ``request_counts``) is announced to the other ranks, as
+        the forward announces it."""
+        kjt = _announcing(kept_kjt, features, self._layout)
         return kjt, dist_ops.request_counts(kjt, self._layout, self._routing)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -563,30 +571,56 @@ def _is_tensordict(features: Any) -> bool:
 
 
 @torch.fx.wrap
-def as_kjt(features: Any) -> KeyedJaggedTensor:
-    """KJT as is; a TensorDict of jagged tensors converted (weights, variable batch kept)."""
+def as_kjt(features: Any, layout: dist_ops.IdsLayout) -> KeyedJaggedTensor:
+    """:func:`read_kjt`; input it refuses is announced to the other ranks first
+    (:func:`~fxrec.distributed.dist_ops.announce_refusal`), as ``request_counts`` announces
+    the input it refuses: they are already in this batch's exchange."""
+    return _announcing(read_kjt, features, layout)
+
+
+def _announcing(
+    read: Callable[[Any, dist_ops.IdsLayout], KeyedJaggedTensor],
+    features: Any,
+    layout: dist_ops.IdsLayout,
+) -> KeyedJaggedTensor:
+    try:
+        return read(features, layout)
+    except Exception as exc:
+        dist_ops.announce_refusal(exc, layout)
+        raise
+
+
+def read_kjt(features: Any, layout: dist_ops.IdsLayout) -> KeyedJaggedTensor:
+    """The collection's input as a KJT, read as the unsharded collection reads it
+    (:func:`fxrec.nn.inputs.as_kjt`): a KJT as is; of a TensorDict or a dict of jagged
+    nested tensors, only the features it reads (other entries, a ``label``, are left
+    alone); a dict of JaggedTensors; TorchRec's KJT."""
     if isinstance(features, KeyedJaggedTensor):
         return features
-    if _is_tensordict(features):
-        return kjt_from_tensordict(features)
-    try:
-        from fxrec.sparse import from_torchrec
-
-        return from_torchrec(features)
-    except Exception as exc:
-        raise ValueError(
-            f"ShardedEmbeddingBagCollection takes a KeyedJaggedTensor or a TensorDict of "
-            f"jagged tensors, got {type(features).__name__}"
-        ) from exc
+    return read_input(features, _reading(layout), layout.weighted)
 
 
-def kept_kjt(features: Any) -> KeyedJaggedTensor:
-    """:func:`as_kjt`, keeping a TensorDict's KJT with it (``prepare_kjt``): the forward's
+@torch.compiler.disable  # dynamo ignores the cache (and warns): it would build it per trace
+@functools.lru_cache(maxsize=64)
+def _reading(layout: dist_ops.IdsLayout) -> Layout:
+    """A layout of the features ``layout`` reads, for :func:`fxrec.nn.inputs.as_kjt`: which
+    features a collection reads, not its tables' shapes, decide how it reads an input."""
+    return plan_layout(
+        [
+            EmbeddingBagConfig(num_embeddings=1, embedding_dim=1, name=f, feature_names=[f])
+            for f in layout.features()
+        ],
+        None,
+    )
+
+
+def kept_kjt(features: Any, layout: dist_ops.IdsLayout) -> KeyedJaggedTensor:
+    """:func:`read_kjt`, keeping a TensorDict's KJT with it (``prepare_kjt``): the forward's
     own conversion of that TensorDict then returns this very KJT, so the forward takes over
     an exchange started early for it."""
     if _is_tensordict(features):
-        return prepare_kjt(features)
-    return as_kjt(features)
+        return prepare_kjt(features, layout.features())
+    return read_kjt(features, layout)
 
 
 def _lookup(local: nn.Module | None, kjt: Any, width: int, like: torch.Tensor) -> Any:

@@ -21,10 +21,11 @@ may reset its iterator between calls, and the pipeline starts over when it sees 
 A ``run()`` between ``progress()`` calls sets their pass aside, with the batches read ahead,
 and the next ``progress()`` on its iterator goes on where it stopped (several passes may be
 set aside at once; :meth:`~TrainPipelineBase.end_pass` ends the current one only).
-With a sharded collection, :class:`TrainPipelineSparseDist` keeps the ranks in step when
-only one rank loses a batch (its loader fails or its data ends): the other ranks learn it
-in the id-count exchange, or in a roll call, and raise :class:`PipelineError` for that batch
-too (and stop with a rank whose data ended). No call waits
+With a sharded collection, both pipelines keep the ranks in step when only one rank loses a
+batch (its loader fails, its batch is refused before the exchange, or its data ends): the
+other ranks learn it in the id-count exchange, or in a roll call (the base pipeline holds one
+for every batch), and raise :class:`PipelineError` for that batch too (and end their pass
+with a rank whose data ended). No call waits
 forever: queue operations poll a stop flag, and collectives are bounded by the process
 group's timeout. A collective that fails (a peer died or hung: a
 :class:`~fxrec.distributed.CommError` other than ``MissingBatch``) leaves the group unusable:
@@ -41,7 +42,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.nn.functional as F
@@ -79,6 +80,18 @@ def _comm_failed(cause: BaseException) -> bool:
     except ImportError:  # torch.distributed unavailable: no collectives
         return False
     return isinstance(cause, CommError) and not isinstance(cause, MissingBatch)
+
+
+def _yielded(it: Iterator[Any]) -> int | None:
+    """How many batches a DataLoader iterator yielded (None for other iterators)."""
+    return getattr(it, "_num_yielded", None)
+
+
+def _reset_since(it: Iterator[Any], yielded: int | None) -> bool:
+    """A DataLoader iterator that yielded fewer batches than ``yielded``, counted earlier:
+    its loader's ``iter()`` reset it (persistent workers) since, for a new pass."""
+    now = _yielded(it)
+    return yielded is not None and now is not None and now < yielded
 
 
 @dataclass
@@ -140,6 +153,13 @@ class TrainPipelineBase:
         self._td_prep = TensorDictPrep(prepare_tensordicts)
         self._index = 0  # next batch index to draw
         self._closed = False
+        from fxrec.train.sparse_dist import RollCall
+
+        # Sharded collections: which ranks have the batch about to train is agreed on
+        self._roll_call = RollCall.of_model(model)
+        self._peer_ended = False  # a peer's data ended: this rank's pass ends with it
+        self._drawn_from: tuple[Iterator[Any], int | None] | None = None  # (iterator, yielded)
+        self._broken: PipelineError | None = None  # a collective failed: no batch can train
 
     # -- pieces shared by both pipelines -----------------------------------------------------
     def _prepare(self, item: Any, non_blocking: bool = False) -> Any:
@@ -180,24 +200,128 @@ class TrainPipelineBase:
 
     # -- public API --------------------------------------------------------------------------
     def progress(self, dataloader_iter: Iterator[Any]) -> torch.Tensor:
-        """Train on the next batch; return its loss (detached). ``StopIteration`` at the end."""
+        """Train on the next batch; return its loss (detached). ``StopIteration`` at the end.
+
+        With sharded collections, every rank calls it at the same step: the ranks agree on
+        each batch in a roll call, so that one a rank lacks (its loader failed, its batch was
+        refused, its data ended) is skipped on every rank, and one rank's data ending ends
+        every rank's pass.
+        """
         self._check_open()
-        index = self._index
-        self._index += 1
+        return self._unless_broken(lambda: self._progress_from(dataloader_iter))
+
+    def _unless_broken(self, step: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """``step()``, unless a collective failed before; one failing in it stops the
+        pipeline (see :meth:`_break`)."""
+        if self._broken is not None:
+            raise self._broken_error()
         try:
-            item = next(dataloader_iter)
-        except StopIteration:
-            self._index -= 1
+            return step()
+        except PipelineError as err:
+            if _comm_failed(err.__cause__):
+                self._break(err)
             raise
-        except Exception as exc:
-            self.stats.failed += 1
-            raise PipelineError(index, "reading it from the data loader", exc) from exc
-        try:
-            batch = self._prepare(item)
-        except Exception as exc:
-            self.stats.failed += 1
-            raise PipelineError(index, "preparing and copying it", exc) from exc
+
+    def _progress_from(self, it: Iterator[Any]) -> torch.Tensor:
+        if self._ends_with_peer(it):
+            raise StopIteration
+        current = self._draw(it, self._index)
+        self._drawn_from = (it, _yielded(it))
+        if self._roll_call is not None:
+            self._agree_on(current)
+        if current is None:
+            raise StopIteration
+        index, batch, exc, stage = current
+        self._index = index + 1
+        if exc is not None:
+            self._skip(index, exc, stage)
         return self._train(index, batch)
+
+    def _draw(self, it: Iterator[Any], index: int) -> tuple[int, Any, Exception | None, str] | None:
+        """Batch ``index`` read and prepared, as ``(index, batch, error, stage)`` (a failure
+        is this rank's to raise once its peers know); None when ``it`` ended."""
+        try:
+            item = next(it)
+        except StopIteration:
+            return None
+        except Exception as exc:
+            return index, None, exc, "reading it from the data loader"
+        try:
+            return index, self._prepare(item), None, ""
+        except Exception as exc:
+            return index, None, exc, "preparing and copying it"
+
+    def _ends_with_peer(self, it: Iterator[Any]) -> bool:
+        """Whether a peer's data ended the pass on ``it``: its next call here raises
+        ``StopIteration`` (once). Another iterator, or this one reset by its DataLoader
+        (persistent workers), is a new pass."""
+        if not self._peer_ended:
+            return False
+        self._peer_ended = False
+        assert self._drawn_from is not None
+        source, yielded = self._drawn_from
+        return it is source and not _reset_since(it, yielded)
+
+    def _agree_on(self, current: tuple[int, Any, BaseException | None, str] | None) -> None:
+        """Roll call for a batch (in the overlapping pipeline, one no id-count exchange
+        announced): raise for it, on every rank, if a rank has none (its loader failed or
+        ended, or it refused its batch)."""
+        rc = self._roll_call
+        assert rc is not None
+        mine = rc.ENDED if current is None else rc.FAILED if current[2] is not None else rc.HAVE
+        try:
+            states = rc.call(mine)
+        except RuntimeError as err:  # CommError: a peer died or timed out in an earlier step
+            index = self._index if current is None else current[0]
+            raise PipelineError(index, "agreeing on it with the other ranks", err) from err
+        missing = [r for r, st in enumerate(states) if st != rc.HAVE]
+        if mine != rc.HAVE or not missing:
+            return
+        from fxrec.distributed import MissingBatch
+        from fxrec.distributed.dist_ops import why_absent
+
+        ended = rc.ENDED in states
+        index = current[0]  # type: ignore[index]
+        err = MissingBatch(
+            f"rank(s) {missing} have no batch {index} ({why_absent(ended)}); every rank skips it.",
+            missing,
+            ended,
+        )
+        self._skip(index, err, "agreeing on it with the other ranks")
+
+    def _skip(self, index: int, err: BaseException, stage: str) -> NoReturn:
+        """Raise for batch ``index``, which this rank does not train."""
+        self._index = index + 1
+        self.stats.failed += 1
+        if getattr(err, "ended", False):  # a MissingBatch: a peer's data ended
+            self._peer_ended = True
+            self._end_with_peer()
+        raise PipelineError(index, stage, err) from err
+
+    def _end_with_peer(self) -> None:
+        """A peer's data ended this pass (nothing read ahead here to drop)."""
+
+    def _break(self, err: PipelineError) -> None:
+        """A collective failed (a peer died, hung or left): the process group is unusable, so
+        no later batch can be agreed on or exchanged."""
+        self._broken = err
+        logger.warning("fxrec pipeline stopped after batch %d failed: %s", err.batch_index, err)
+
+    def _broken_error(self) -> RuntimeError:
+        """What every ``progress()`` raises once the pipeline stopped (not a PipelineError: a
+        loop that skips failed batches would call it forever)."""
+        from fxrec.distributed.comm import CommError
+
+        err = self._broken
+        assert err is not None
+        error = CommError(
+            f"this pipeline stopped at batch {err.batch_index}: the ranks could not complete a "
+            "collective there (a peer died, hung or left; the cause below says which), so "
+            "their process group is unusable and no later batch can train. close() the "
+            "pipeline and restart the job from its last checkpoint (torchrun --max-restarts)."
+        )
+        error.__cause__ = err
+        return error
 
     def _train(
         self, index: int, batch: Any, after_forward: Callable[[], None] | None = None
@@ -236,8 +360,12 @@ class TrainPipelineBase:
 
     def end_pass(self, dataloader_iter: Iterator[Any] | None = None) -> None:
         """End the current pass over the data early (a loop that stops before
-        ``StopIteration``): nothing to do here, as this pipeline reads no batch ahead."""
+        ``StopIteration``): this pipeline reads no batch ahead, so only a pass a peer's data
+        ended is over (the next ``progress()`` on its iterator reads it again)."""
         self._check_open()
+        last = self._drawn_from[0] if self._drawn_from is not None else None
+        if dataloader_iter is None or dataloader_iter is last:
+            self._peer_ended = False
 
     def close(self) -> None:
         self._closed = True
@@ -436,13 +564,10 @@ class TrainPipelineSparseDist(TrainPipelineBase):
         self._exhausted = False  # the source ended: progress() accepts a new iterator
         self._next: tuple[int, Any, BaseException | None, str] | None = None
         self._stream = torch.cuda.Stream(device=self.device) if self.device.type == "cuda" else None
-        from fxrec.train.sparse_dist import InputDist, RollCall
+        from fxrec.train.sparse_dist import InputDist
 
         self._input_dist = InputDist(model)
-        self._roll_call = RollCall.of(self._input_dist.modules)
         self._announced = False  # the next batch's presence went out in its id-count exchange
-        self._peer_ended = False  # a peer's data ended: this rank stops too
-        self._broken: PipelineError | None = None  # a collective failed: no batch can train
         # A pipeline dropped without close(): its reader (which holds it weakly) stops.
         weakref.finalize(self, self._stop.set)
 
@@ -679,7 +804,7 @@ class TrainPipelineSparseDist(TrainPipelineBase):
             )
         self._gate.open()  # the reader calls next() only while this call runs
         try:
-            return self._progress()
+            return self._unless_broken(self._progress_batch)
         finally:
             self._gate.close(self._stop.is_set, self.poll_s)
 
@@ -687,51 +812,18 @@ class TrainPipelineSparseDist(TrainPipelineBase):
         """A DataLoader iterator that yielded fewer batches than the reader read from it: its
         loader's ``iter()`` reset it (persistent workers), and the batches read ahead are the
         last pass's."""
-        from torch.utils.data.dataloader import _BaseDataLoaderIter
-
-        read = self._gate.yielded
-        if it is not self._source or not isinstance(it, _BaseDataLoaderIter) or read is None:
-            return False
-        if it._num_yielded >= read:
+        if it is not self._source or not _reset_since(it, self._gate.yielded):
             return False
         logger.info("fxrec pipeline: the data loader's iterator was reset; a new pass starts")
         return True
 
-    def _progress(self) -> torch.Tensor:
-        if self._broken is not None:
-            raise self._broken_error()
-        try:
-            return self._progress_batch()
-        except PipelineError as err:
-            if _comm_failed(err.__cause__):
-                self._break(err)
-            raise
-
     def _break(self, err: PipelineError) -> None:
-        """A collective failed (a peer died, hung or left): the process group is unusable, so
-        no later batch can be agreed on or exchanged; the reader stops."""
-        self._broken = err
+        """A collective failed: as the base, and the reader stops."""
         try:
             self._stop_reader()  # drops the exchanges in flight, which fail on the group too
         except Exception as exc:
             logger.debug("fxrec pipeline: dropping exchanges after the failure: %s", exc)
-        logger.warning("fxrec pipeline stopped after batch %d failed: %s", err.batch_index, err)
-
-    def _broken_error(self) -> RuntimeError:
-        """What every ``progress()`` raises once the pipeline stopped (not a PipelineError: a
-        loop that skips failed batches would call it forever)."""
-        from fxrec.distributed.comm import CommError
-
-        err = self._broken
-        assert err is not None
-        error = CommError(
-            f"this pipeline stopped at batch {err.batch_index}: the ranks could not complete a "
-            "collective there (a peer died, hung or left; the cause below says which), so "
-            "their process group is unusable and no later batch can train. close() the "
-            "pipeline and restart the job from its last checkpoint (torchrun --max-restarts)."
-        )
-        error.__cause__ = err
-        return error
+        super()._break(err)
 
     def _progress_batch(self) -> torch.Tensor:
         if self._exhausted or self._peer_ended:
@@ -771,44 +863,19 @@ class TrainPipelineSparseDist(TrainPipelineBase):
                 self._input_dist.start_absent(ended=self._next is None)
             self._announced = bool(self._input_dist.enabled)
 
-        return self._train(index, batch, after_forward=start_next)
-
-    def _agree_on(self, current: tuple[int, Any, BaseException | None, str] | None) -> None:
-        """Roll call for a batch no id-count exchange announced: raise for it, on every rank,
-        if a rank has none (its loader failed or ended, or it refused its batch)."""
-        rc = self._roll_call
-        assert rc is not None
-        mine = rc.ENDED if current is None else rc.FAILED if current[2] is not None else rc.HAVE
         try:
-            states = rc.call(mine)
-        except RuntimeError as err:  # CommError: a peer died or timed out in an earlier step
-            index = self._index if current is None else current[0]
-            raise PipelineError(index, "agreeing on it with the other ranks", err) from err
-        missing = [r for r, st in enumerate(states) if st != rc.HAVE]
-        if mine != rc.HAVE or not missing:
-            return
-        from fxrec.distributed import MissingBatch
-        from fxrec.distributed.dist_ops import why_absent
+            return self._train(index, batch, after_forward=start_next)
+        except PipelineError:
+            self._input_dist.retry_probe()  # (once the next batch's exchange started: no-op)
+            raise
 
-        ended = rc.ENDED in states
-        index = current[0]  # type: ignore[index]
-        err = MissingBatch(
-            f"rank(s) {missing} have no batch {index} ({why_absent(ended)}); every rank skips it.",
-            missing,
-            ended,
-        )
-        self._skip(index, err, "agreeing on it with the other ranks")
-
-    def _skip(self, index: int, err: BaseException, stage: str) -> None:
-        """Raise for batch ``index``, which this rank does not train."""
-        self._index = index + 1
-        self.stats.failed += 1
+    def _skip(self, index: int, err: BaseException, stage: str) -> NoReturn:
         self._input_dist.discard()
-        if getattr(err, "ended", False):  # a MissingBatch: a peer's data ended
-            self._peer_ended = True  # a peer's data ended: this rank's ends with it
-            # and its reader stops now: the next epoch's iter() may reset the very iterator
-            self._stop_reader()
-        raise PipelineError(index, stage, err) from err
+        super()._skip(index, err, stage)
+
+    def _end_with_peer(self) -> None:
+        # its reader stops now: the next epoch's iter() may reset the very iterator
+        self._stop_reader()
 
     def _backward_step(self, loss: torch.Tensor) -> None:
         loss.backward()

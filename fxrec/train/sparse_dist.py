@@ -82,22 +82,33 @@ class InputDist:
         from fxrec.distributed import dist_ops
         from fxrec.distributed.sharded_ebc import kept_kjt
 
-        for part in parts:  # a TensorDict's KJT kept: one its conversion in a graph returns
-            with contextlib.suppress(TypeError, ValueError):
-                kept_kjt(part)
+        for m in self.modules:  # a TensorDict's KJT kept: one its conversion in a graph returns
+            for part in parts:
+                with contextlib.suppress(TypeError, ValueError):
+                    kept_kjt(part, m._layout)
         self._requests = self._watch.enter_context(dist_ops.watch_requests())
         self._probing = True
         self._seen = seen
         self._parts = parts
 
-    def _finish_probe(self) -> None:
-        if not self._probing:
-            return
+    def retry_probe(self) -> None:
+        """The probed batch failed before its next batch's exchange started (a batch every
+        rank skips): probe the next batch instead, as the first one."""
+        if self._probing:
+            self._end_probe()
+            self._probed = False
+
+    def _end_probe(self) -> None:
         for m in self.modules:
             if "forward" in m.__dict__:
                 del m.forward
         self._watch.close()
         self._probing = False
+
+    def _finish_probe(self) -> None:
+        if not self._probing:
+            return
+        self._end_probe()
         for m in self.modules:
             seen = self._seen.get(id(m))
             where = None if seen is None else (seen, None)
@@ -121,7 +132,7 @@ class InputDist:
         """Which part of the first batch's sparse input a captured graph handed, as it is,
         to ``m``'s id-count request, and which KJT slice of it for combined features (None:
         it transformed it, or never made one)."""
-        from fxrec.distributed.sharded_ebc import as_kjt
+        from fxrec.distributed.sharded_ebc import read_kjt
 
         asked = [kjt for kjt, layout in self._requests if layout == m._layout]
         for i, part in enumerate(self._parts):
@@ -131,7 +142,7 @@ class InputDist:
                         return i, key
                 continue
             try:
-                kjt = as_kjt(part)  # a TensorDict: the KJT kept with it in probe()
+                kjt = read_kjt(part, m._layout)  # a TensorDict: the KJT kept in probe()
             except (TypeError, ValueError):
                 continue
             if any(a is kjt for a in asked):
@@ -239,8 +250,9 @@ class RollCall:
     """Which ranks have the batch about to train: one all-reduce of a flag per rank.
 
     The id-count exchange of batch i+1 tells every rank which peers have it; a batch that had
-    none (the first of an iterator, or any batch when the model transforms the features
-    before its collections, whose ids are then not sent early) is agreed on here, so that a rank whose
+    none (the first of an iterator, any batch when the model transforms the features before
+    its collections, whose ids are then not sent early, and every batch of
+    ``TrainPipelineBase``) is agreed on here, so that a rank whose
     loader failed, or ended early, never leaves the others training a batch against the
     wrong peers. It runs on a CPU (gloo) group: no device synchronisation.
     """
@@ -249,6 +261,11 @@ class RollCall:
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+
+    @staticmethod
+    def of_model(model: nn.Module) -> RollCall | None:
+        """For the group of ``model``'s sharded collections (see :meth:`of`)."""
+        return RollCall.of(_sharded_modules(model))
 
     @staticmethod
     def of(modules: list[nn.Module]) -> RollCall | None:

@@ -198,14 +198,14 @@ def _assert_trains_like_base(model, losses, run, opt, ref_model, kept) -> None: 
 
 
 def _one_rank_loses_a_batch(
-    rank: int, world: int, fail: int, optimized: bool, reorder: bool
+    rank: int, world: int, fail: int, optimized: bool, reorder: bool, pipeline: type
 ) -> None:
     """Rank 1's loader fails at batch ``fail`` and ends one batch early. Every rank skips
     that batch and rank 0 its last: it hears of them in the id-count exchange, or in the roll
     call for batches no exchange announced (the first one; every one when the model gives
-    its collection a KJT of its own, whose ids the pipeline cannot send early). The losses
-    and parameters are those of the base pipeline fed only the batches every rank trained
-    on."""
+    its collection a KJT of its own, whose ids the pipeline cannot send early; every one in
+    the base pipeline). The losses and parameters are those of the base pipeline fed only
+    the batches every rank trained on."""
     import fxrec
     from fxrec.distributed import CommError
 
@@ -220,10 +220,11 @@ def _one_rank_loses_a_batch(
         return model, run, torch.optim.SGD(run.parameters(), lr=0.1)
 
     model, run, opt = build()
-    with TrainPipelineSparseDist(run, opt) as pipe:
+    with pipeline(run, opt) as pipe:
         it = _Loader(batches, fail if rank == 1 else None, n - 1 if rank == 1 else n)
         losses, errors = _drive(pipe, it)
-        assert len(pipe._input_dist.enabled) == (0 if reorder else 1)  # ids sent early or not
+        if pipeline is TrainPipelineSparseDist:  # ids sent early or not
+            assert len(pipe._input_dist.enabled) == (0 if reorder else 1)
     if rank == 0:
         for exc in errors:
             assert isinstance(exc.__cause__, CommError)
@@ -238,15 +239,59 @@ def _one_rank_loses_a_batch(
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(not _have_collection(), reason="needs fxrec.nn.EmbeddingBagCollection")
 @pytest.mark.parametrize(
-    ("fail", "optimized", "reorder"),
-    [(2, False, False), (0, False, False), (2, True, False), (0, True, False), (2, True, True)],
+    ("fail", "optimized", "reorder", "pipeline"),
+    [
+        (2, False, False, TrainPipelineSparseDist),
+        (0, False, False, TrainPipelineSparseDist),
+        (2, True, False, TrainPipelineSparseDist),
+        (0, True, False, TrainPipelineSparseDist),
+        (2, True, True, TrainPipelineSparseDist),
+        (2, False, False, TrainPipelineBase),
+        (0, True, False, TrainPipelineBase),
+    ],
 )
 def test_a_batch_missing_on_one_rank_is_skipped_on_every_rank(
-    fail: int, optimized: bool, reorder: bool
+    fail: int, optimized: bool, reorder: bool, pipeline: type
 ):
     from tests.distributed.launch import run_ranks
 
-    run_ranks(2, _one_rank_loses_a_batch, fail, optimized, reorder, timeout=10.0, deadline=100.0)
+    # a timeout far longer than the run may take: peers waiting for it fail the deadline
+    run_ranks(
+        2, _one_rank_loses_a_batch, fail, optimized, reorder, pipeline, timeout=60.0, deadline=50.0
+    )
+
+
+def _base_pipeline_passes_stay_in_step(rank: int, world: int) -> None:
+    """The base pipeline over a sharded model: rank 1's data ends two batches early, which
+    ends rank 0's pass too (a PipelineError for the first batch it alone has, then
+    StopIteration without reading the next); the next pass, on new iterators, trains every
+    batch on both ranks."""
+    n = 4
+    first = make_batches(KEYS, n, input_type="kjt", weighted=True, seed=80 + rank)
+    second = make_batches(KEYS, n, input_type="kjt", weighted=True, seed=90 + rank)
+    model, opt = _build()
+    with TrainPipelineBase(model, opt) as pipe:
+        it = _Loader(first, None, n - 2 if rank == 1 else n)
+        losses, errors = _drive(pipe, it)
+        assert _events(errors) == ([] if rank == 1 else [(n - 2, "MissingBatch")])
+        assert it.i == n - 1  # rank 0 read no batch past the one rank 1 lacked
+        more, errors = _drive(pipe, iter(second))
+        assert not errors and len(more) == n
+    ref_model, ref_opt = _build()
+    with TrainPipelineBase(ref_model, ref_opt) as base:
+        want = [float(base.progress(iter([b]))) for b in first[: n - 2] + second]
+    assert losses + more == pytest.approx(want, rel=1e-5, abs=1e-6)
+    got, ref = params(model), params(ref_model)
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not _have_collection(), reason="needs fxrec.nn.EmbeddingBagCollection")
+def test_one_rank_ending_its_data_ends_every_ranks_pass_in_the_base_pipeline():
+    from tests.distributed.launch import run_ranks
+
+    run_ranks(2, _base_pipeline_passes_stay_in_step, timeout=60.0, deadline=50.0)
 
 
 def _saves_while_training(rank: int, world: int) -> None:
