@@ -13,7 +13,13 @@ qualifies; everything else falls back to pure torch, with the same results:
   fbgemm-gpu-cpu 1.8.0's own weighted MEAN backward returns the weighted-SUM gradient (the
   ``1 / L`` factor of its forward is missing), so its MEAN mode is used unweighted only;
 * dense gradients only (``sparse=True`` uses torch's sparse embedding-bag gradient);
-* not while dynamo/export trace: the op has no fake (meta) kernel on CPU;
+* under dynamo, through ``torch.ops.fxrec.tbe_lookup`` (:func:`lookup`): fbgemm's op has no
+  fake kernel on CPU, so dynamo's graph holds this one opaque node instead. Run eagerly (the
+  backend ``"eager"``, ``fxrec.optimize``'s default) it is fbgemm's op, autograd included;
+  traced further (AOTAutograd: ``"aot_eager"``, Inductor) it decomposes into torch's
+  ``embedding_bag``. ``torch.ops.fxrec.check_ids`` puts the collection's eager id check
+  there, before the lookups, and a device assert in traced graphs (:func:`check_ids`);
+* not under ``torch.export`` or symbolic tracing: an exported program keeps torch's ops;
 * only on devices where the op has a kernel.
 
 The op's CPU kernel refuses an id outside its own table (:func:`pooled_lookup` names the
@@ -30,9 +36,13 @@ import warnings
 from collections.abc import Sequence
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
-from fxrec.nn.functional import out_of_range_error
-from fxrec.sparse.validation import validation_enabled
+from fxrec.nn.checks import assert_id_ranges, check_id_ranges
+from fxrec.nn.functional import embedding_bag_grouped, out_of_range_error
+from fxrec.nn.layout import Member
+from fxrec.sparse.validation import read_ints, segment_sums, validation_enabled
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +52,7 @@ __all__ = [
     "has_kernel",
     "FbgemmGroupMeta",
     "lookup",
+    "check_ids",
     "pooled_lookup",
     "check_on_device",
     "out_of_range",
@@ -101,8 +112,8 @@ class FbgemmGroupMeta:
         self.num_members = len(row_offsets)
         self.total_dim = dim * self.num_members
         self.total_hash_size_bits = int(math.log2(float(num_rows)) + 1) if num_rows else 0
-        self._row_offsets = list(row_offsets)
-        self._num_rows = num_rows
+        self.row_offsets = list(row_offsets)
+        self.num_rows = num_rows
         self.member_rows = list(member_rows)
         self.names = tuple(names)  # each member's name, for the error of an id out of range
         self._tensors: dict[torch.device, tuple[torch.Tensor, ...]] = {}
@@ -111,7 +122,7 @@ class FbgemmGroupMeta:
     def rows(self, device: torch.device) -> torch.Tensor | None:
         """Each member's table rows where tables are shared (see :func:`pooled_lookup`)."""
         if device not in self._rows:
-            shared = not _distinct_tables(self._row_offsets, self._num_rows, self.member_rows)
+            shared = not _distinct_tables(self.row_offsets, self.num_rows, self.member_rows)
             with torch.inference_mode(False):
                 self._rows[device] = (
                     torch.tensor(self.member_rows, dtype=torch.long, device=device)
@@ -127,13 +138,13 @@ class FbgemmGroupMeta:
             with torch.inference_mode(False):  # kept for training calls too
                 t = (
                     torch.tensor(
-                        [r * d for r in self._row_offsets], dtype=torch.long, device=device
+                        [r * d for r in self.row_offsets], dtype=torch.long, device=device
                     ),
                     torch.arange(
                         0, (self.num_members + 1) * d, d, dtype=torch.int32, device=device
                     ),
                     torch.tensor(
-                        [*self._row_offsets, self._num_rows], dtype=torch.long, device=device
+                        [*self.row_offsets, self.num_rows], dtype=torch.long, device=device
                     ),
                 )
             self._tensors[device] = t
@@ -147,12 +158,29 @@ def lookup(
     offsets: torch.Tensor,
     mode: str,
     per_sample_weights: torch.Tensor | None,
+    checked: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[B, members * dim]`` pooled outputs (member-major columns) from unshifted ids.
 
     ``ids`` are each member's own row numbers (the op adds the row offsets itself);
     ``offsets`` delimit the ``members * B`` bags, member-major, last offset included.
+    Under dynamo the lookup is one ``torch.ops.fxrec.tbe_lookup`` node holding the group's
+    description, which reads ``checked`` (the token of :func:`check_ids`): the check runs
+    first.
     """
+    if torch.compiler.is_compiling():
+        return torch.ops.fxrec.tbe_lookup(
+            weight,
+            ids,
+            offsets,
+            per_sample_weights,
+            checked,
+            meta.row_offsets,
+            meta.member_rows,
+            meta.num_rows,
+            mode,
+            list(meta.names),
+        )
     weights_offsets, d_offsets, hash_size_cumsum = meta.tensors(weight.device)
     return pooled_lookup(
         weight,
@@ -297,3 +325,151 @@ def _tables_of_ids(rows: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor)
     per_bag = torch.arange(bags, device=ids.device) // max(bags // max(rows.numel(), 1), 1)
     lengths = (offsets[1:] - offsets[:-1]).long()
     return torch.repeat_interleave(per_bag, lengths, output_size=ids.numel())
+
+
+# ---- the lookup and the collection's id check as nodes of dynamo's graphs ------------------
+#
+# Both are CompositeImplicitAutograd: dynamo records each as one node and never looks inside;
+# a graph run eagerly calls them on real tensors (fbgemm's op, its own autograd; the host
+# check raising the collection's error), while AOTAutograd and export trace through them on
+# fake tensors, where they are torch ops (fbgemm's CPU op has no fake kernel).
+
+torch.library.define(
+    "fxrec::tbe_lookup",
+    "(Tensor weight, Tensor ids, Tensor offsets, Tensor? per_sample_weights, Tensor? checked, "
+    "int[] row_offsets, int[] member_rows, int num_rows, str mode, str[] names) -> Tensor",
+)
+torch.library.define(
+    "fxrec::check_ids",
+    "(Tensor values, Tensor lengths, SymInt[] stride_per_key, SymInt[]? counts, "
+    "int[] rows, str[] features, str[] tables) -> Tensor",
+)
+
+
+def _traced(*tensors: torch.Tensor | None) -> bool:
+    """Are these tensors being traced (fake or functional tensors, a recording proxy mode)
+    rather than computed?"""
+    if get_proxy_mode() is not None:
+        return True
+    return any(t is not None and (is_fake(t) or torch._is_functional_tensor(t)) for t in tensors)
+
+
+@torch.library.impl("fxrec::tbe_lookup", "CompositeImplicitAutograd")
+def _tbe_lookup(
+    weight: torch.Tensor,
+    ids: torch.Tensor,
+    offsets: torch.Tensor,
+    per_sample_weights: torch.Tensor | None,
+    checked: torch.Tensor | None,
+    row_offsets: Sequence[int],
+    member_rows: Sequence[int],
+    num_rows: int,
+    mode: str,
+    names: Sequence[str],
+) -> torch.Tensor:
+    if _traced(weight, ids, offsets, per_sample_weights):
+        return _lookup_in_torch(weight, row_offsets, ids, offsets, mode, per_sample_weights)
+    meta = _group_meta(
+        tuple(row_offsets), weight.shape[1], num_rows, tuple(member_rows), tuple(names)
+    )
+    return lookup(weight, meta, ids, offsets, mode, per_sample_weights)
+
+
+@functools.lru_cache(maxsize=256)
+def _group_meta(
+    row_offsets: tuple[int, ...],
+    dim: int,
+    num_rows: int,
+    member_rows: tuple[int, ...],
+    names: tuple[str, ...],
+) -> FbgemmGroupMeta:
+    """One description (and its tensors) per group a graph looks up."""
+    return FbgemmGroupMeta(row_offsets, dim, num_rows, member_rows, names)
+
+
+def _lookup_in_torch(
+    weight: torch.Tensor,
+    row_offsets: Sequence[int],
+    ids: torch.Tensor,
+    offsets: torch.Tensor,
+    mode: str,
+    per_sample_weights: torch.Tensor | None,
+) -> torch.Tensor:
+    """What fbgemm's lookup computes, in torch ops: ids shifted by their member's first row
+    (members of one table need no shift), one ``embedding_bag``, its ``[members * B, dim]``
+    rows laid out ``[B, members * dim]``."""
+    members, dim = len(row_offsets), weight.shape[1]
+    bags = offsets.numel() - 1
+    batch = bags // members
+    ids, offsets = ids.long(), offsets.long()
+    if any(r != 0 for r in row_offsets):
+        starts = torch.tensor(list(row_offsets), dtype=torch.long, device=ids.device)
+        per_bag = starts.repeat_interleave(batch, output_size=bags)
+        ids = ids + per_bag.repeat_interleave(offsets[1:] - offsets[:-1], output_size=ids.numel())
+    pooled = embedding_bag_grouped(
+        weight, ids, offsets, mode, per_sample_weights, include_last_offset=True
+    )
+    return pooled.view(members, batch, dim).transpose(0, 1).reshape(batch, members * dim)
+
+
+def check_ids(
+    values: torch.Tensor,
+    lengths: torch.Tensor,
+    stride_per_key: Sequence[int],
+    counts: Sequence[int] | None,
+    members: Sequence[Member],
+) -> torch.Tensor:
+    """The collection's id check as one node of a dynamo graph; a token for the lookups.
+
+    Run eagerly it is the check outside dynamo (``check_id_ranges``, on while validation
+    is); traced further, a device assert (``assert_id_ranges``), which is always on.
+    """
+    return torch.ops.fxrec.check_ids(
+        values,
+        lengths,
+        list(stride_per_key),
+        None if counts is None else list(counts),
+        [m.num_embeddings for m in members],
+        [m.feature for m in members],
+        [m.table_name for m in members],
+    )
+
+
+@torch.library.impl("fxrec::check_ids", "CompositeImplicitAutograd")
+def _check_ids(
+    values: torch.Tensor,
+    lengths: torch.Tensor,
+    stride_per_key: Sequence[int],
+    counts: Sequence[int] | None,
+    rows: Sequence[int],
+    features: Sequence[str],
+    tables: Sequence[str],
+) -> torch.Tensor:
+    members = _checked_members(tuple(rows), tuple(features), tuple(tables))
+    if _traced(values, lengths):
+        assert_id_ranges(values, lengths, stride_per_key, members)
+    elif validation_enabled():
+        if counts is None:
+            counts = read_ints(segment_sums(lengths, stride_per_key))
+        check_id_ranges(values, members, counts)
+    return torch.empty(0, dtype=values.dtype, device=values.device)
+
+
+@functools.lru_cache(maxsize=64)
+def _checked_members(
+    rows: tuple[int, ...], features: tuple[str, ...], tables: tuple[str, ...]
+) -> tuple[Member, ...]:
+    """The members as the checks read them (feature, table name, rows)."""
+    return tuple(
+        Member(
+            key=f,
+            feature=f,
+            table=-1,
+            table_name=t,
+            group=-1,
+            row_offset=0,
+            num_embeddings=r,
+            dim=0,
+        )
+        for r, f, t in zip(rows, features, tables)
+    )

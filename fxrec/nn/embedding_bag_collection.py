@@ -14,10 +14,13 @@ per table and load both ways, including from and into TorchRec's collection.
 Input checks (on by default, off with ``fxrec.sparse.set_validation(False)`` or inside
 ``fxrec.sparse.validation_disabled()``): ids outside their table, missing features,
 features with different batch sizes, non-integer ids and non-float weights raise a
-``ValueError`` naming the feature, before any lookup. Under ``torch.compile`` the id range
-check is a device assert instead, which is always on (a ``RuntimeError`` listing each
-feature's range). Features of the input that no table
-reads are ignored (a batch often feeds several collections), as in TorchRec.
+``ValueError`` naming the feature, before any lookup. Under ``torch.compile`` (dynamo) the
+groups that fbgemm looks up are each one node of the graph, after one node checking the ids
+(:mod:`fxrec.nn._fbgemm`): a graph run eagerly looks them up with fbgemm after the same
+check as above. Where the graph is traced further (``"aot_eager"``, Inductor, export) or no
+group goes through fbgemm, lookups are torch ops and the id range check is a device assert,
+which is always on (a ``RuntimeError`` listing each feature's range). Features of the input
+that no table reads are ignored (a batch often feeds several collections), as in TorchRec.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from fxrec.nn.layout import DEFAULT_MAX_GROUP_BYTES, Group, Layout, plan_layout
 from fxrec.nn.tables import TableGroup, TableView
 from fxrec.nn.tracing import is_symbolic_tracing, leaf_call
 from fxrec.sparse import KeyedJaggedTensor, KeyedTensor
-from fxrec.sparse.validation import is_tracing, validation_enabled
+from fxrec.sparse.validation import validation_enabled
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +69,8 @@ class EmbeddingBagCollection(nn.Module):
             rows x ~10,000 ids each: 0.5x): the sparse gradient is as large as the ids.
             Not available with max pooling.
         backend: ``"auto"`` uses fbgemm's table-batched op where installed and the group
-            qualifies (dense gradients, sum/mean pooling, eager mode), else torch;
+            qualifies (dense gradients, sum/mean pooling, float32 weights; not in exported
+            programs), else torch;
             ``"torch"`` never uses fbgemm; ``"fbgemm"`` requires it. Results agree within
             float rounding.
         max_group_bytes: cap on one group's weight size. ``"auto"``: 16 MiB for dense
@@ -244,14 +248,9 @@ class EmbeddingBagCollection(nn.Module):
             kjt = gather(kjt, plan.order, weights)
             weights = kjt.weights_or_none()
         values, lengths, offsets = kjt.values(), kjt.lengths(), kjt.offsets()
-        members = self._members_group_major
-        counts = kjt.length_per_key_or_none()
-        if torch.compiler.is_compiling():  # a device assert (a host check breaks the graph)
-            assert_id_ranges(values, lengths, kjt.stride_per_key(), members)
-        elif validation_enabled():  # one pass over all ids, before any lookup
-            counts = kjt.length_per_key()
-            check_id_ranges(values, members, counts)
         groups = self._layout.groups
+        fb = [self._fbgemm_ok(g, self.groups[gi].weight, batch) for gi, g in enumerate(groups)]
+        checked, counts = self._check_ids(kjt, any(fb))
         if len(groups) > 1 and counts is None:
             counts = kjt.length_per_key()  # slicing the ids per group needs host offsets
         id_starts = [0]
@@ -259,15 +258,14 @@ class EmbeddingBagCollection(nn.Module):
             id_starts.append(
                 id_starts[-1] + (values.numel() if counts is None else sum(counts[ms:me]))
             )
-        fb = [self._fbgemm_ok(g, self.groups[gi].weight, batch) for gi, g in enumerate(groups)]
         outs: list[Any] = [None] * len(groups)
         if any(fb):  # cast once for every fbgemm group (the op takes int32 or int64)
             fb_values = values if values.dtype in (torch.int32, torch.int64) else values.long()
-            fb_offsets = offsets.to(fb_values.dtype)
+            fb_offsets = _as_dtype(offsets, fb_values.dtype)
             for gi in range(len(groups)):
                 if fb[gi]:
                     outs[gi] = self._lookup_fbgemm(
-                        gi, fb_values, fb_offsets, weights, batch, plan, id_starts
+                        gi, fb_values, fb_offsets, weights, batch, plan, id_starts, checked
                     )
         if not all(fb):
             torch_outs = self._lookup_torch(
@@ -284,6 +282,25 @@ class EmbeddingBagCollection(nn.Module):
             for gi, out in torch_outs.items():
                 outs[gi] = out
         return KeyedTensor(self._keys, self._length_per_key, self._assemble(outs, batch))
+
+    def _check_ids(
+        self, kjt: KeyedJaggedTensor, fbgemm: bool
+    ) -> tuple[torch.Tensor | None, list[int] | None]:
+        """Every id against its own table, in one pass before any lookup.
+
+        Returns the check's token, which fbgemm's lookup nodes read under dynamo (``fbgemm``:
+        some group goes through fbgemm), and the per-key id counts where known.
+        """
+        values, lengths, members = kjt.values(), kjt.lengths(), self._members_group_major
+        counts = kjt.length_per_key_or_none()
+        if torch.compiler.is_compiling() and fbgemm:  # one node: the host check, run eagerly
+            return _fbgemm.check_ids(values, lengths, kjt.stride_per_key(), counts, members), counts
+        if torch.compiler.is_compiling():  # a device assert (a host check breaks the graph)
+            assert_id_ranges(values, lengths, kjt.stride_per_key(), members)
+        elif validation_enabled():
+            counts = kjt.length_per_key()
+            check_id_ranges(values, members, counts)
+        return None, counts
 
     def _meta_output(self, batch: int) -> torch.Tensor:
         """``[B, sum(dims)]`` on the meta device, assembled as the lookups' results are (same
@@ -304,10 +321,12 @@ class EmbeddingBagCollection(nn.Module):
         batch: int,
         plan: Plan,
         id_starts: list[int],
+        checked: torch.Tensor | None,
     ) -> tuple[torch.Tensor, bool]:
         """fbgemm's ``[B, members * dim]`` for group ``gi`` (a "wide" result).
 
-        The op takes the group's own slice of the ids and offsets rebased to it.
+        The op takes the group's own slice of the ids and offsets rebased to it; ``checked``
+        is the id check's token under dynamo.
         """
         g = self._layout.groups[gi]
         weight = self.groups[gi].weight
@@ -322,6 +341,7 @@ class EmbeddingBagCollection(nn.Module):
             bags - a if a else bags,
             g.pooling,
             None if weights is None else weights[a:b],
+            checked,
         )
         return out, True
 
@@ -345,7 +365,7 @@ class EmbeddingBagCollection(nn.Module):
         groups = self._layout.groups
         num_rows = max(groups[gi].num_rows for gi in group_ids)
         dtype = ids_dtype(values, num_rows)
-        ids = values.to(dtype)
+        ids = _as_dtype(values, dtype)
         if any(len(groups[gi].tables) > 1 for gi in group_ids):
             if counts is not None:
                 count_t = torch.tensor(list(counts), dtype=torch.long).to(values.device)
@@ -353,7 +373,7 @@ class EmbeddingBagCollection(nn.Module):
                 m = len(self._members_group_major)
                 count_t = lengths.view(m, lengths.numel() // m).sum(1)
             ids = shift_ids(ids, self._const(-1, values.device, "row_offsets"), count_t)
-        offsets = offsets.to(dtype)
+        offsets = _as_dtype(offsets, dtype)
         single = len(groups) == 1
         if not single:  # bag starts relative to each group's first id
             ranges = plan.member_ranges
@@ -382,13 +402,15 @@ class EmbeddingBagCollection(nn.Module):
         return out
 
     def _fbgemm_ok(self, g: Group, weight: torch.Tensor, batch: int) -> bool:
+        """Does group ``g`` go through fbgemm? Not in exported programs (they keep torch's
+        ops) nor under symbolic tracing (the collection is a leaf there)."""
         if not self._use_fbgemm or self._sparse or batch == 0:
             return False
-        if g.pooling == "max":
+        if g.pooling == "max" or weight.dtype != torch.float32:
             return False
-        if weight.dtype != torch.float32 or is_tracing():
+        if torch.compiler.is_exporting() or is_symbolic_tracing():
             return False
-        return _fbgemm.has_kernel(weight.device.type)
+        return _fbgemm_kernel(weight.device.type)
 
     def _assemble(self, outs: list[Any], batch: int) -> torch.Tensor:
         """``[B, sum(dims)]`` in output order from each group's lookup result.
@@ -458,6 +480,17 @@ class EmbeddingBagCollection(nn.Module):
             [m.num_embeddings for m in members],
             [f"{m.feature} (table {m.table_name})" for m in members],
         )
+
+
+def _as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)``, without the no-op cast a traced graph would record (and rules fuse)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+@torch.compiler.assume_constant_result
+def _fbgemm_kernel(device_type: str) -> bool:
+    """:func:`_fbgemm.has_kernel`, a constant to dynamo (it reads the dispatcher's table)."""
+    return _fbgemm.has_kernel(device_type)
 
 
 def _runs(layout: Layout) -> list[tuple[int, int, int]]:
