@@ -25,7 +25,8 @@ With a sharded collection, both pipelines keep the ranks in step when only one r
 batch (its loader fails, its batch is refused before the exchange, or its data ends): the
 other ranks learn it in the id-count exchange, or in a roll call (the base pipeline holds one
 for every batch), and raise :class:`PipelineError` for that batch too (and end their pass
-with a rank whose data ended). No call waits
+with a rank whose data ended, a rank that failed on that batch itself included; ``run()``
+returns there, as at the end of its own data). No call waits
 forever: queue operations poll a stop flag, and collectives are bounded by the process
 group's timeout. A collective that fails (a peer died or hung: a
 :class:`~fxrec.distributed.CommError` other than ``MissingBatch``) leaves the group unusable:
@@ -80,6 +81,15 @@ def _comm_failed(cause: BaseException) -> bool:
     except ImportError:  # torch.distributed unavailable: no collectives
         return False
     return isinstance(cause, CommError) and not isinstance(cause, MissingBatch)
+
+
+def _peer_data_ended(cause: BaseException | None) -> bool:
+    """A ``MissingBatch`` saying that a peer's data ended: the end of the pass, not an error."""
+    try:
+        from fxrec.distributed.comm import MissingBatch
+    except ImportError:  # torch.distributed unavailable: no peers
+        return False
+    return isinstance(cause, MissingBatch) and cause.ended
 
 
 def _yielded(it: Iterator[Any]) -> int | None:
@@ -227,14 +237,13 @@ class TrainPipelineBase:
             raise StopIteration
         current = self._draw(it, self._index)
         self._drawn_from = (it, _yielded(it))
-        if self._roll_call is not None:
-            self._agree_on(current)
+        peer_ended = self._roll_call is not None and self._agree_on(current)
         if current is None:
             raise StopIteration
         index, batch, exc, stage = current
         self._index = index + 1
         if exc is not None:
-            self._skip(index, exc, stage)
+            self._skip(index, exc, stage, peer_ended=peer_ended)
         return self._train(index, batch)
 
     def _draw(self, it: Iterator[Any], index: int) -> tuple[int, Any, Exception | None, str] | None:
@@ -262,10 +271,11 @@ class TrainPipelineBase:
         source, yielded = self._drawn_from
         return it is source and not _reset_since(it, yielded)
 
-    def _agree_on(self, current: tuple[int, Any, BaseException | None, str] | None) -> None:
+    def _agree_on(self, current: tuple[int, Any, BaseException | None, str] | None) -> bool:
         """Roll call for a batch (in the overlapping pipeline, one no id-count exchange
         announced): raise for it, on every rank, if a rank has none (its loader failed or
-        ended, or it refused its batch)."""
+        ended, or it refused its batch). Returns whether a peer's data ended at a batch this
+        rank failed on itself: it raises its own error for it, and its pass ends there too."""
         rc = self._roll_call
         assert rc is not None
         mine = rc.ENDED if current is None else rc.FAILED if current[2] is not None else rc.HAVE
@@ -275,12 +285,12 @@ class TrainPipelineBase:
             index = self._index if current is None else current[0]
             raise PipelineError(index, "agreeing on it with the other ranks", err) from err
         missing = [r for r, st in enumerate(states) if st != rc.HAVE]
+        ended = rc.ENDED in states
         if mine != rc.HAVE or not missing:
-            return
+            return mine == rc.FAILED and ended
         from fxrec.distributed import MissingBatch
         from fxrec.distributed.dist_ops import why_absent
 
-        ended = rc.ENDED in states
         index = current[0]  # type: ignore[index]
         err = MissingBatch(
             f"rank(s) {missing} have no batch {index} ({why_absent(ended)}); every rank skips it.",
@@ -289,11 +299,15 @@ class TrainPipelineBase:
         )
         self._skip(index, err, "agreeing on it with the other ranks")
 
-    def _skip(self, index: int, err: BaseException, stage: str) -> NoReturn:
-        """Raise for batch ``index``, which this rank does not train."""
+    def _skip(
+        self, index: int, err: BaseException, stage: str, *, peer_ended: bool = False
+    ) -> NoReturn:
+        """Raise for batch ``index``, which this rank does not train; ``peer_ended``: a
+        peer's data ended at that batch (as a ``MissingBatch`` saying so does), which ends
+        this rank's pass too."""
         self._index = index + 1
         self.stats.failed += 1
-        if getattr(err, "ended", False):  # a MissingBatch: a peer's data ended
+        if peer_ended or _peer_data_ended(err):
             self._peer_ended = True
             self._end_with_peer()
         raise PipelineError(index, stage, err) from err
@@ -345,7 +359,9 @@ class TrainPipelineBase:
         """Train on ``batches`` (at most ``max_steps``); the losses. Stops at the first error.
 
         Each call starts ``batches`` over (``iter(batches)``); pass an iterator to go on
-        where the last call stopped.
+        where the last call stopped. With sharded collections, a peer's data ending ends the
+        pass here too, as this rank's own end of data does (it returns; it raises only for
+        a batch this rank failed on itself).
         """
         return self._run(iter(batches), max_steps)
 
@@ -356,7 +372,17 @@ class TrainPipelineBase:
                 losses.append(float(self.progress(it)))
             except StopIteration:
                 break
+            except PipelineError as err:
+                if not _peer_data_ended(err.__cause__):
+                    raise
+                self._take_peer_end(it)
+                break
         return losses
+
+    def _take_peer_end(self, it: Iterator[Any]) -> None:
+        """A peer's data ended the pass on ``it`` inside ``run()``, which returns there: the
+        next call on ``it`` starts a new pass, as after this rank's own end of data."""
+        self._ends_with_peer(it)
 
     def end_pass(self, dataloader_iter: Iterator[Any] | None = None) -> None:
         """End the current pass over the data early (a loop that stops before
@@ -832,8 +858,7 @@ class TrainPipelineSparseDist(TrainPipelineBase):
         current = self._next if self._next is not None else self._take()
         self._next = None
         announced, self._announced = self._announced, False
-        if self._roll_call is not None and not announced:
-            self._agree_on(current)
+        peer_ended = self._roll_call is not None and not announced and self._agree_on(current)
         if current is None:
             self._exhausted = True
             raise StopIteration
@@ -847,7 +872,9 @@ class TrainPipelineSparseDist(TrainPipelineBase):
                 self._start_reader(self._source, index + 1)  # type: ignore[arg-type]
                 self._gate.yielded = read
                 raise exc
-            self._skip(index, exc, stage)
+            if announced:  # its id-count exchange told whether a peer's data ended
+                peer_ended = self._input_dist.peer_ended()
+            self._skip(index, exc, stage, peer_ended=peer_ended)
         self._input_dist.probe(batch)
 
         def start_next() -> None:
@@ -869,13 +896,19 @@ class TrainPipelineSparseDist(TrainPipelineBase):
             self._input_dist.retry_probe()  # (once the next batch's exchange started: no-op)
             raise
 
-    def _skip(self, index: int, err: BaseException, stage: str) -> NoReturn:
+    def _skip(
+        self, index: int, err: BaseException, stage: str, *, peer_ended: bool = False
+    ) -> NoReturn:
         self._input_dist.discard()
-        super()._skip(index, err, stage)
+        super()._skip(index, err, stage, peer_ended=peer_ended)
 
     def _end_with_peer(self) -> None:
         # its reader stops now: the next epoch's iter() may reset the very iterator
         self._stop_reader()
+
+    def _take_peer_end(self, it: Iterator[Any]) -> None:
+        if it is self._source:
+            self._exhausted = True
 
     def _backward_step(self, loss: torch.Tensor) -> None:
         loss.backward()

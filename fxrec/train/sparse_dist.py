@@ -61,6 +61,7 @@ class InputDist:
         # of their KJT slices (fxrec.sparse.CombinedFeatures.kjt_slice's arguments)
         self._where: dict[int, tuple[int, tuple[int, int, bool] | None]] = {}
         self._in_graph: set[int] = set()  # id(module) of those whose graph takes exchanges over
+        self._ended = False  # a rank announced in the next batch's exchange that its data ended
         self._probing = False
         self._watch = contextlib.ExitStack()
         # A pipeline dropped without close() leaves no exchange for a later forward to take.
@@ -172,6 +173,7 @@ class InputDist:
             return
         from fxrec.distributed import dist_ops
 
+        self._ended = False
         sparse = batch.sparse
         parts = list(sparse) if isinstance(sparse, (tuple, list)) else [sparse]
         error: Exception | None = None
@@ -203,6 +205,7 @@ class InputDist:
         id-count exchanges anyway, announcing it, so the other ranks skip that batch too
         instead of waiting for ids that never come (call where :meth:`start` would be)."""
         self._finish_probe()
+        self._ended = False
         for m in self.enabled:
             self._drop_stale(m)
             self._pending[id(m)] = (None, (None, m.request_absent(ended)))
@@ -224,10 +227,23 @@ class InputDist:
         for key, (_, (kjt, handle)) in list(self._pending.items()):
             if handle.sent is None:
                 splits = dist_ops.wait_counts(handle)
+                self._ended |= dist_ops.ENDED in splits.batch_sizes
                 if kjt is None:  # this rank announced no batch: nothing to send
                     del self._pending[key]
                     continue
                 handle.sent = dist_ops.send_ids(splits)
+
+    def peer_ended(self) -> bool:
+        """Whether a peer announced that its data ended in the exchange of a batch this rank
+        had none of (its own failure is raised for that batch, and its pass ends there too,
+        as its peers' does)."""
+        from fxrec.distributed import dist_ops
+
+        ended = self._ended
+        for _, (_, handle) in self._pending.values():
+            if handle.sent is None:  # not advanced (the step before failed)
+                ended = ended or dist_ops.ENDED in dist_ops.wait_counts(handle).batch_sizes
+        return ended
 
     def discard(self) -> None:
         """Drop ids requested for a batch that will not run (wait so buffers are released)."""

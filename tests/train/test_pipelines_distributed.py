@@ -434,3 +434,64 @@ def test_a_run_between_progress_calls_trains_like_the_base_pipeline(mode: str):
     from tests.distributed.launch import run_ranks
 
     run_ranks(2, _run_between_progress_calls, mode, timeout=30.0, deadline=100.0)
+
+
+def _fail_where_a_peer_ends(rank: int, world: int, pipeline: type) -> None:
+    """Rank 0's loader fails at batch 3, where rank 1's data ends: rank 0 raises its own
+    error for batch 3, then StopIteration (the peer's end is its end too), and both ranks
+    start the next pass together. Losses and parameters are the base pipeline's on the
+    batches both ranks trained."""
+    n, end = 6, 3
+    first = make_batches(KEYS, n, input_type="kjt", weighted=True, seed=100 + rank)
+    second = make_batches(KEYS, end, input_type="kjt", weighted=True, seed=110 + rank)
+    model, opt = _build()
+    with pipeline(model, opt) as pipe:
+        it = _Loader(first, end if rank == 0 else None, n if rank == 0 else end)
+        losses, errors = _drive(pipe, it, steps=n + 1)
+        assert _events(errors) == ([(end, "OSError")] if rank == 0 else [])
+        assert len(losses) == end
+        if pipeline is TrainPipelineBase:
+            assert it.i == end + 1  # rank 0 read no batch past the one it failed on
+        more, errors = _drive(pipe, iter(second), steps=end + 1)
+        assert not errors and len(more) == end
+    ref_model, ref_opt = _build()
+    kept = first[:end] + second
+    _assert_trains_like_base(model, losses + more, ref_model, ref_opt, ref_model, kept)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not _have_collection(), reason="needs fxrec.nn.EmbeddingBagCollection")
+@pytest.mark.parametrize("pipeline", [TrainPipelineBase, TrainPipelineSparseDist])
+def test_a_batch_failing_where_a_peers_data_ends_ends_the_pass(pipeline: type):
+    from tests.distributed.launch import run_ranks
+
+    run_ranks(2, _fail_where_a_peer_ends, pipeline, timeout=10.0, deadline=40.0)
+
+
+def _run_over_uneven_data(rank: int, world: int, pipeline: type) -> None:
+    """Rank 0 has 5 batches, rank 1 has 4: run() returns the 4 losses on both ranks (rank 1's
+    end of data ends the pass, it is no error), a second run() on the same iterators starts
+    a new pass on both (which ends at once), and a run() of other batches trains them all.
+    Losses and parameters are the base pipeline's on the batches both ranks trained."""
+    batches = make_batches(KEYS, 5 - rank, input_type="kjt", weighted=True, seed=120 + rank)
+    other = make_batches(KEYS, 2, input_type="kjt", weighted=True, seed=130 + rank)
+    model, opt = _build()
+    with pipeline(model, opt) as pipe:
+        it = iter(batches)
+        losses = pipe.run(it)
+        assert len(losses) == 4
+        assert pipe.run(it) == []
+        more = pipe.run(other)
+        assert len(more) == 2
+    ref_model, ref_opt = _build()
+    kept = batches[:4] + other
+    _assert_trains_like_base(model, losses + more, ref_model, ref_opt, ref_model, kept)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not _have_collection(), reason="needs fxrec.nn.EmbeddingBagCollection")
+@pytest.mark.parametrize("pipeline", [TrainPipelineBase, TrainPipelineSparseDist])
+def test_run_returns_on_every_rank_when_a_peers_data_ends_first(pipeline: type):
+    from tests.distributed.launch import run_ranks
+
+    run_ranks(2, _run_over_uneven_data, pipeline, timeout=10.0, deadline=40.0)
