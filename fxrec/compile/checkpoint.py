@@ -31,11 +31,10 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 import torch.utils.checkpoint as ckpt
 from torch import nn
 
-from fxrec.graph.effects import mutates_input, subgraphs, view_bases, written_target
+from fxrec.graph.effects import subgraphs, view_bases, written_inputs
 from fxrec.graph.params import OWNER_ATTR, _split
 from fxrec.graph.report import Report
 
@@ -54,13 +53,7 @@ _NO_OPS = {torch._C._log_api_usage_once}  # dynamo records this call in some reg
 # the options ``checkpoint`` takes (dynamo keeps only these on the node); others: left alone
 _OPTIONS = {"use_reentrant", "preserve_rng_state", "determinism_check", "debug", "early_stop"}
 _LAID_OUT = "fxrec_laid_out"  # positions of a region's views of fxrec's flat parameters
-_WRITTEN = "fxrec_written"  # positions of the tensors a region writes in place (buffers)
-# where normalizations take the running statistics they update (position, keyword)
-_RUNNING_STATS = {
-    F.batch_norm: ((1, "running_mean"), (2, "running_var")),
-    F.instance_norm: ((1, "running_mean"), (2, "running_var")),
-    torch.batch_norm: ((3, "running_mean"), (4, "running_var")),
-}
+_WRITTEN = "fxrec_written"  # positions of the buffers a region writes in place
 
 
 def _is_checkpoint(node: fx.Node) -> bool:
@@ -100,31 +93,6 @@ def _flat_view(node: fx.Node) -> bool:
     else:
         step = (node.op, node.target) in (("call_function", _split), ("call_method", "narrow"))
     return step and _flat_view(source)
-
-
-def _written_inputs(body: fx.GraphModule) -> tuple[int, ...]:
-    """Positions of the inputs ``body`` writes in place, directly or through views of them
-    (``num_batches_tracked.add_(1)``, a BatchNorm's running statistics), nested regions
-    included."""
-    inputs = {n: i for i, n in enumerate(body.graph.find_nodes(op="placeholder"))}
-    written: set[int] = set()
-    for node in body.graph.nodes:
-        for target in _writes(node):
-            if isinstance(target, fx.Node):
-                written.update(inputs[b] for b in view_bases(target) if b in inputs)
-    return tuple(sorted(written))
-
-
-def _writes(node: fx.Node) -> list[Any]:
-    """The arguments ``node`` writes in place."""
-    if _is_checkpoint(node):
-        return [node.args[1 + i] for i in _written_inputs(subgraphs(node)[0])]
-    if node.op == "call_function" and node.target in _RUNNING_STATS:
-        return [
-            node.args[pos] if len(node.args) > pos else node.kwargs.get(name)
-            for pos, name in _RUNNING_STATS[node.target]
-        ]
-    return [written_target(node)] if mutates_input(node) else []
 
 
 def _reading(
@@ -171,8 +139,8 @@ def checkpointed(body: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
     """``body(*args)`` under ``torch.utils.checkpoint.checkpoint``, as the model called it.
 
     ``kwargs`` are the checkpoint's own options (dynamo passes the region's tensors
-    positionally), where the region reads laid-out parameters and which arguments it writes
-    in place (see :func:`call_checkpoint`); ``use_reentrant`` left out is PyTorch's default,
+    positionally), where the region reads laid-out parameters and which buffers it writes in
+    place (see :func:`call_checkpoint`); ``use_reentrant`` left out is PyTorch's default,
     reentrant. A selective-checkpoint ``context_fn`` the model passed (kept on the body) is
     passed again.
     """
@@ -191,10 +159,18 @@ def checkpointed(body: fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
     return ckpt.checkpoint(region, *inputs, **options)
 
 
+def _holds_state(arg: Any) -> bool:
+    """Is ``arg`` (a view of) a tensor the graph is given rather than computes: a buffer
+    dynamo passes the region, which the model's region reads itself? A tensor the model
+    computes and passes (``checkpoint(f, x * 2)``) is the region's input in the model too:
+    written in place, it fails the saved inputs' check in backward there as here."""
+    return isinstance(arg, fx.Node) and view_bases(arg)[-1].op in ("placeholder", "get_attr")
+
+
 def _rewrite(node: fx.Node, body: fx.GraphModule) -> bool:
     """Point ``node`` at :func:`checkpointed`, with the model's options as given (PyTorch's
-    defaults for the others), and where the region reads laid-out parameters or writes its
-    arguments. False when its options are not ``checkpoint``'s."""
+    defaults for the others), and where the region reads laid-out parameters or writes
+    buffers (:func:`_holds_state`). False when its options are not ``checkpoint``'s."""
     unknown = set(node.kwargs) - _OPTIONS
     if unknown:
         logger.debug("fxrec: checkpointed region %s left to PyTorch: %s", node.name, unknown)
@@ -203,7 +179,7 @@ def _rewrite(node: fx.Node, body: fx.GraphModule) -> bool:
     laid_out = [i for i, a in enumerate(node.args[1:]) if isinstance(a, fx.Node) and _laid_out(a)]
     if laid_out:
         kwargs[_LAID_OUT] = tuple(laid_out)
-    written = _written_inputs(body)
+    written = tuple(i for i in written_inputs(body) if _holds_state(node.args[1 + i]))
     if written:
         kwargs[_WRITTEN] = written
     node.kwargs = kwargs

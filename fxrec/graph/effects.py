@@ -7,6 +7,7 @@ handle the effect explicitly (e.g. the BatchNorm rule keeps running statistics e
 from __future__ import annotations
 
 import functools
+import inspect
 import operator
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
@@ -30,11 +31,19 @@ __all__ = [
     "eliminate_dead_code",
     "mode_regions",
     "written_in_place",
+    "written_inputs",
     "written_target",
+    "written_targets",
     "view_bases",
 ]
 
 _STATEFUL_FUNCTIONS = {F.batch_norm, torch.batch_norm, F.instance_norm}
+# where normalizations take the running statistics they update (position, keyword)
+_RUNNING_STATS = {
+    F.batch_norm: ((1, "running_mean"), (2, "running_var")),
+    F.instance_norm: ((1, "running_mean"), (2, "running_var")),
+    torch.batch_norm: ((3, "running_mean"), (4, "running_var")),
+}
 _RANDOM_FUNCTIONS = {
     F.dropout,
     torch.dropout,
@@ -138,30 +147,71 @@ def has_hooks(module: nn.Module) -> bool:
 def mutates_input(node: fx.Node) -> bool:
     """True for in-place ops: ``x.relu_()``, ``F.relu(x, inplace=True)``,
     ``nn.ReLU(inplace=True)``, item assignment (``x[:, :2] = 0``), augmented assignment in
-    dynamo graphs (``t += x`` is ``operator.iadd``), and ops writing into ``out=``
+    dynamo graphs (``t += x`` is ``operator.iadd``), ops writing into ``out=``
     (``torch.cumsum(x, 0, out=y)``, whose result is often unused: only the write keeps it
-    alive)."""
-    if node.kwargs.get("inplace") is True or node.kwargs.get("out") is not None:
+    alive), and calls of sub-graphs whose body writes one of its inputs (an
+    activation-checkpointed region running ``nn.ELU(inplace=True)`` on its argument).
+    :func:`written_targets` says what they write."""
+    return _writes_in_place(node) or (node.op == "call_function" and bool(_region_writes(node)))
+
+
+def _writes_in_place(node: fx.Node) -> bool:
+    """:func:`mutates_input` for a single op (no sub-graph looked into). Asked of every node
+    by most rules: the common answers come first."""
+    kwargs = node.kwargs
+    if kwargs.get("inplace") is True or kwargs.get("out") is not None:
         return True
-    if node.op == "call_function" and node.target is operator.setitem:
-        return True
-    if node.op == "call_function" and node.target in _INPLACE_OPERATORS:
-        first = node.args[0] if node.args else None
-        value = first.meta.get("example_value", first.meta.get("val")) if first else None
-        return isinstance(first, fx.Node) and not isinstance(value, _NUMBERS)  # sizes: no
-    if node.op == "call_method" and isinstance(node.target, str):
-        if node.target == "__setitem__":
+    op, target = node.op, node.target
+    if op == "call_function":
+        if target is operator.setitem:
             return True
-        return node.target.endswith("_") and not node.target.endswith("__")
-    if node.op == "call_function":
-        name = getattr(node.target, "__name__", "")
+        if target in _INPLACE_OPERATORS:
+            first = node.args[0] if node.args else None
+            value = first.meta.get("example_value", first.meta.get("val")) if first else None
+            return isinstance(first, fx.Node) and not isinstance(value, _NUMBERS)  # sizes: no
+        name = getattr(target, "__name__", "")
         if name.endswith("_") and not name.endswith("__"):
             return True
-        schema = getattr(node.target, "_schema", None)
-        if schema is not None and schema.is_mutable:
+        schema = getattr(target, "_schema", None)
+        return bool(schema is not None and schema.is_mutable) or _inplace_by_position(node)
+    if op == "call_method" and isinstance(target, str):
+        if target == "__setitem__":
             return True
+        return target.endswith("_") and not target.endswith("__")
     mod = _owner_module(node)
     return bool(mod is not None and getattr(mod, "inplace", False))
+
+
+def _inplace_by_position(node: fx.Node) -> bool:
+    """``inplace=True`` given by position: dynamo records ``nn.ELU``, ``nn.LeakyReLU``,
+    ``nn.Hardtanh`` or ``nn.Dropout`` built with ``inplace=True`` as ``F.elu(x, 1.0, True)``,
+    ``F.dropout(x, 0.5, True, True)``..."""
+    for a in node.args:
+        if a is True:
+            break
+    else:
+        return False
+    try:
+        at = _inplace_position(node.target)
+    except TypeError:  # an unhashable target
+        at = _inplace_position.__wrapped__(node.target)
+    return at is not None and len(node.args) > at and node.args[at] is True
+
+
+@functools.lru_cache(maxsize=4096)
+def _inplace_position(target: Any) -> int | None:
+    """Where ``target`` takes ``inplace`` positionally, or None."""
+    try:
+        params = list(inspect.signature(target).parameters.values())
+    except (TypeError, ValueError):  # builtins without a signature
+        return None
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    for i, p in enumerate(params):
+        if p.kind not in positional:
+            return None
+        if p.name == "inplace":
+            return i
+    return None
 
 
 def is_random(node: fx.Node) -> bool:
@@ -224,14 +274,22 @@ def _seeded_name(name: Any) -> bool:
 def subgraphs(node: fx.Node) -> list[fx.GraphModule]:
     """The graph modules ``node`` calls: the bodies a higher-order op (dynamo's
     ``tag_activation_checkpoint``, ``cond``...) takes as ``get_attr`` arguments."""
-    owner = node.graph.owning_module
     found = []
     for a in node.args:
-        if isinstance(a, fx.Node) and a.op == "get_attr" and owner is not None:
-            body = getattr(owner, str(a.target), None)
+        if isinstance(a, fx.Node) and a.op == "get_attr":
+            body = _submodule(a)
             if isinstance(body, fx.GraphModule):
                 found.append(body)
     return found
+
+
+def _submodule(node: fx.Node) -> Any:
+    """The module a ``get_attr`` names, if its graph's owner holds it directly (dynamo's
+    bodies do). Read from ``_modules``: ``getattr`` of a parameter's dotted name
+    (``norms.0.weight``) fails through ``nn.Module.__getattr__``, an exception per
+    parameter read, and rules ask this of nearly every node."""
+    owner = node.graph.owning_module
+    return None if owner is None else owner._modules.get(str(node.target))
 
 
 def _body_draws(body: fx.GraphModule) -> bool:
@@ -316,7 +374,7 @@ def written_in_place(node: fx.Node) -> bool:
     work = [(u, node) for u in node.users]
     while work:
         u, via = work.pop()
-        if mutates_input(u) and written_target(u) is via:
+        if mutates_input(u) and any(t is via for t in written_targets(u)):
             return True
         if u in seen or not _is_view(u):
             continue
@@ -326,13 +384,100 @@ def written_in_place(node: fx.Node) -> bool:
 
 
 def written_target(node: fx.Node) -> Any:
-    """What an in-place op writes: its ``out=`` tensor, else its first argument."""
+    """What an in-place op writes: the first of :func:`written_targets` (None if nothing).
+    Ops writing several tensors (``out=`` tuples, checkpointed regions) write the others
+    too: ask :func:`written_targets` for them all."""
+    targets = written_targets(node)
+    return targets[0] if targets else None
+
+
+def written_targets(node: fx.Node) -> list[Any]:
+    """Every argument ``node`` writes in place (empty if :func:`mutates_input` is False): its
+    ``out=`` tensors, else the first argument of an in-place op, and for a call of
+    sub-graphs the arguments its bodies write (see :func:`written_inputs`). Rules that keep
+    reads apart from writes must see them all: a region writing its argument ``x * 2``
+    changes what every other read of that node sees."""
     out = node.kwargs.get("out")
     if out is not None:
-        return out
-    if node.op == "call_module":  # nn.ReLU(inplace=True) and the like
-        return node.args[0] if node.args else None
-    return node.args[0] if node.args else node.kwargs.get("input")
+        found: list[Any] = []
+        fx.node.map_arg(out, found.append)
+        return found or [out]
+    if _writes_in_place(node):
+        if node.op == "call_module":  # nn.ReLU(inplace=True) and the like
+            return list(node.args[:1])
+        return [node.args[0] if node.args else node.kwargs.get("input")]
+    return _region_writes(node)
+
+
+def written_inputs(body: fx.GraphModule) -> tuple[int, ...]:
+    """Positions of the inputs ``body`` writes in place, directly or through views of them
+    (``num_batches_tracked.add_(1)``, a BatchNorm's running statistics, an in-place
+    activation on an argument), nested sub-graphs included.
+
+    Running statistics count here though :func:`mutates_input` leaves a top-level
+    normalization out (it is stateful: :func:`has_side_effects`): a region calling one
+    writes those statistics as arguments, which the caller's graph must see written."""
+    inputs = {n: i for i, n in enumerate(body.graph.find_nodes(op="placeholder"))}
+    written: set[int] = set()
+    for node in body.graph.nodes:
+        for target in [*written_targets(node), *_running_stats(node)]:
+            if isinstance(target, fx.Node):
+                written.update(inputs[b] for b in view_bases(target) if b in inputs)
+    return tuple(sorted(written))
+
+
+def _running_stats(node: fx.Node) -> list[Any]:
+    """The running statistics a normalization call updates (its arguments)."""
+    if node.op != "call_function" or node.target not in _RUNNING_STATS:
+        return []
+    return [
+        node.args[pos] if len(node.args) > pos else node.kwargs.get(name)
+        for pos, name in _RUNNING_STATS[node.target]
+    ]
+
+
+def _region_writes(node: fx.Node) -> list[fx.Node]:
+    """The arguments a call of sub-graphs writes through its bodies. Dynamo's checkpoint op
+    (and ``checkpointed``) call ``body(*args[1:])``: those at the written positions. Other
+    calls (``cond``...) pass their operands otherwise: every argument but the bodies."""
+    if node.op != "call_function":
+        return []
+    for a in node.args:  # most calls take no ``get_attr``: spare them the look-up
+        if isinstance(a, fx.Node) and a.op == "get_attr":
+            break
+    else:
+        return []
+    found: dict[fx.Node, None] = {}
+    for body in subgraphs(node):
+        written = written_inputs(body)
+        if not written:
+            continue
+        operands = _operands(node, body)
+        if operands is None:
+            found.update((a, None) for a in node.all_input_nodes if not _is_body(a))
+        else:
+            found.update((operands[i], None) for i in written if isinstance(operands[i], fx.Node))
+    return list(found)
+
+
+def _operands(node: fx.Node, body: fx.GraphModule) -> Sequence[Any] | None:
+    """The arguments ``body``'s placeholders take in order, where ``node`` calls it as
+    ``(body, *operands)``; else None."""
+    first = node.args[0] if node.args else None
+    if not (_is_body(first) and _submodule(first) is body):
+        return None
+    operands = node.args[1:]
+    placeholders = body.graph.find_nodes(op="placeholder")
+    return operands if len(placeholders) == len(operands) else None
+
+
+def _is_body(arg: Any) -> bool:
+    """A ``get_attr`` of a graph module (a sub-graph a higher-order op calls)?"""
+    return (
+        isinstance(arg, fx.Node)
+        and arg.op == "get_attr"
+        and isinstance(_submodule(arg), fx.GraphModule)
+    )
 
 
 _VIEW_METHODS = frozenset(

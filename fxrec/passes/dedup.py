@@ -30,7 +30,13 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from fxrec.graph.effects import has_side_effects, is_random, mode_regions, mutates_input
+from fxrec.graph.effects import (
+    has_side_effects,
+    is_random,
+    mode_regions,
+    mutates_input,
+    written_targets,
+)
 from fxrec.graph.pieces import SPLIT_FUNCTIONS, split_sizes
 from fxrec.graph.rule import LocalRule, RewriteContext, register
 
@@ -116,12 +122,6 @@ def _computation_key(node: fx.Node) -> Any:
         return None
 
 
-def _nodes_in(value: Any) -> list[fx.Node]:
-    found: list[fx.Node] = []
-    fx.node.map_arg(value, found.append)
-    return found
-
-
 def _reading_written_memory(
     graph: fx.Graph,
     mutates: Callable[[fx.Node], bool] = mutates_input,
@@ -129,18 +129,18 @@ def _reading_written_memory(
 ) -> set[fx.Node]:
     """Nodes that may read memory an in-place op writes somewhere in the graph.
 
-    Written: the tensor each in-place op writes, plus its ancestors (it may be a view of
-    them); the inputs of other stateful ops (running statistics, collectives). A node reads
-    written memory if it, or any ancestor, is written. One forward sweep. ``mutates`` and
-    ``side_effects`` stand for :func:`mutates_input` and :func:`has_side_effects` (cached
-    versions of them, for instance).
+    Written: the tensors each in-place op writes (a checkpointed region: the arguments its
+    body writes), plus their ancestors (each may be a view of them); the inputs of other
+    stateful ops (running statistics, collectives). A node reads written memory if it, or
+    any ancestor, is written. One forward sweep. ``mutates`` and ``side_effects`` stand for
+    :func:`mutates_input` and :func:`has_side_effects` (cached versions of them, for
+    instance).
     """
     written: set[fx.Node] = set()
     work: list[fx.Node] = []
     for n in graph.nodes:
-        if mutates(n):
-            out = n.kwargs.get("out")  # an ``out=`` op writes its out tensor(s), not its input
-            work.extend(_nodes_in(out) if out is not None else n.all_input_nodes[:1])
+        if mutates(n):  # ``out=`` tensors, a region's written arguments: not its first input
+            work.extend(t for t in written_targets(n) if isinstance(t, fx.Node))
         elif n.op in ("call_function", "call_method") and side_effects(n) and not is_random(n):
             work.extend(n.all_input_nodes)
     while work:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -30,6 +31,13 @@ from torch.utils.checkpoint import (
 
 import fxrec
 from fxrec.compile.checkpoint import call_checkpoint, checkpoint_nodes, checkpointed
+from fxrec.graph.effects import (
+    has_side_effects,
+    mutates_input,
+    written_in_place,
+    written_target,
+    written_targets,
+)
 from fxrec.measure import count_kernels
 from tests.compile.helpers import assert_same_state, dynamo_graph
 
@@ -82,7 +90,27 @@ def _compiled(model: nn.Module, args: tuple) -> tuple[nn.Module, Callable[[], di
     return compiled, lambda: {n: p.grad for n, p in model.named_parameters()}
 
 
+def _unchecked(model: nn.Module, args: tuple) -> tuple[nn.Module, Callable[[], dict]]:
+    """``optimize`` without its first-call check: fxrec's graph runs even where it is wrong."""
+    opt = fxrec.optimize(model, args, check=False)
+    assert opt.fxrec_report.count() > 0
+    return opt, lambda: opt.fxrec_fused.grads(model)
+
+
+def _compiled_with(backend: Any) -> Callable[[nn.Module, tuple], tuple[nn.Module, Callable]]:
+    def entry(model: nn.Module, args: tuple) -> tuple[nn.Module, Callable[[], dict]]:
+        compiled = torch.compile(model, backend=backend, dynamic=False)
+        return compiled, lambda: {n: p.grad for n, p in model.named_parameters()}
+
+    return entry
+
+
 ENTRY_POINTS = {"optimize": _optimized, "compile_backend_eager": _compiled}
+MORE_ENTRY_POINTS = {
+    "optimize_unchecked": _unchecked,
+    "compile_backend_aot_eager": _compiled_with(fxrec.compile_backend("aot_eager")),
+    "torch_compile_aot_eager": _compiled_with("aot_eager"),  # dynamo alone, no fxrec
+}
 
 
 def _inputs(x_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,18 +132,23 @@ def _assert_same_grad(got: torch.Tensor | None, want: torch.Tensor | None, name:
         torch.testing.assert_close(got, want, rtol=TOL, atol=TOL, msg=name)
 
 
-def _trains_like_plain(model: nn.Module, entry: str, x_grad: bool) -> None:
+def _trains_like_plain(
+    model: nn.Module, entry: str, x_grad: bool, reference: str | None = None
+) -> None:
     """Three SGD steps on fresh inputs, the same seeds: outputs, every parameter's gradient
-    (or its absence), the inputs' gradients, and the parameters after each step."""
+    (or its absence), the inputs' gradients, and the parameters after each step. The model
+    runs as is, or through the ``reference`` entry point."""
+    entries = ENTRY_POINTS | MORE_ENTRY_POINTS
     ref = copy.deepcopy(model)
-    run, grads = ENTRY_POINTS[entry](model, _inputs(x_grad))
+    run, grads = entries[entry](model, _inputs(x_grad))
+    ref_run = ref if reference is None else entries[reference](ref, _inputs(x_grad))[0]
     o_run = torch.optim.SGD(run.parameters(), lr=0.5)
     o_ref = torch.optim.SGD(ref.parameters(), lr=0.5)
     for seed in range(3):
         args = _inputs(x_grad)
         (got, got_in), (want, want_in) = (
             _step(run, o_run, args, seed),
-            _step(ref, o_ref, args, seed),
+            _step(ref_run, o_ref, args, seed),
         )
         torch.testing.assert_close(got, want, rtol=TOL, atol=TOL)
         for i, (g, w) in enumerate(zip(got_in, want_in)):
@@ -355,3 +388,107 @@ def test_a_region_recomputes_without_calling_its_graph_module(
     monkeypatch.setattr(fx.graph_module._WrappedCall, "__call__", spy)
     compiled(*_inputs(True)).sum().backward()
     assert calls == []
+
+
+class WritesItsArgument(Towers):
+    """Each region writes the tensor the model passes it: ``nn.ELU(inplace=True)`` on its
+    own ``x * 2`` (``"elu"``) or ``a.mul_(2)`` on its own ``x.clone()`` (``"mul_"``). The
+    expressions outside the regions are identical, but each is its own tensor: merged into
+    one, every region wrote it (wrong outputs, or a failed version check in backward)."""
+
+    def __init__(self, reentrant: bool, form: str) -> None:
+        super().__init__(reentrant)
+        self.form = form
+        self.acts = nn.ModuleList(nn.ELU(inplace=True) for _ in range(N))
+
+    def region(self, i: int, a: torch.Tensor) -> torch.Tensor:
+        if self.form == "mul_":
+            a.mul_(2.0)
+        else:
+            a = self.acts[i](a)
+        return self.towers[i](a)
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        feats = [torch.tanh(n(part)) for n, part in zip(self.norms, z.split(D, 1))]
+        outs = [
+            checkpoint(self.region, i, x * 2.0 if self.form == "elu" else x.clone(), **self.options)
+            for i in range(N)
+        ]
+        return self.head(torch.cat(feats + outs, 1)).squeeze(1)
+
+
+@pytest.mark.parametrize("entry", ["optimize_unchecked", "compile_backend_eager"])
+@pytest.mark.parametrize("form", ["elu", "mul_"])
+def test_reentrant_regions_writing_their_arguments_train_like_the_plain_model(
+    form: str, entry: str
+) -> None:
+    _trains_like_plain(WritesItsArgument(True, form), entry, x_grad=False)
+
+
+@pytest.mark.parametrize("entry", ["optimize_unchecked", "compile_backend_eager"])
+@pytest.mark.parametrize("form", ["elu", "mul_"])
+def test_non_reentrant_regions_writing_their_arguments_run_as_the_model(
+    form: str, entry: str
+) -> None:
+    """The model's outputs; its backward fails (``checkpoint`` saved the argument the
+    region then wrote), and so does fxrec's: the written argument stays the region's input."""
+    model = WritesItsArgument(False, form)
+    ref = copy.deepcopy(model)
+    run, _ = MORE_ENTRY_POINTS.get(entry, _compiled)(model, _inputs(False))
+    args = _inputs(False)
+    got, want = run(*args), ref(*args)
+    torch.testing.assert_close(got, want, rtol=TOL, atol=TOL)
+    for out in (want, got):
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.sum().backward()
+
+
+@pytest.mark.parametrize("form", ["elu", "mul_"])
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_regions_writing_their_arguments_under_aot_eager(reentrant: bool, form: str) -> None:
+    """AOTAutograd traces the regions (always non-reentrant) and their writes functionally:
+    ``torch.compile(backend="aot_eager")`` trains where the model's non-reentrant backward
+    fails, and trains reentrant towers the model does not; fxrec's graphs under it train
+    as it does."""
+    _trains_like_plain(
+        WritesItsArgument(reentrant, form),
+        "compile_backend_aot_eager",
+        x_grad=False,
+        reference="torch_compile_aot_eager",
+    )
+
+
+class NestedWrite(nn.Module):
+    """A region whose nested region writes a view of its second argument, beside a region
+    that only reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+
+    def inner(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        b[:, :2].mul_(2.0)
+        return self.lin(a + b)
+
+    def outer(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.inner, a, b, use_reentrant=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        read, written = x * 3.0, x * 2.0
+        return checkpoint(self.outer, read, written, use_reentrant=True) + checkpoint(
+            self.lin, read, use_reentrant=True
+        )
+
+
+def test_effects_see_the_arguments_a_region_writes() -> None:
+    """Rules ask :mod:`fxrec.graph.effects` whether a node writes in place and what: a
+    region writing its argument (in a nested region, through a view) answers with that
+    argument, so dedup, dead code, fusions and schedules keep reads of it apart."""
+    gm, _ = dynamo_graph(NestedWrite(), torch.randn(B, D))
+    writes, reads = checkpoint_nodes(gm.graph)
+    scaled = {n.args[1]: n for n in gm.graph.nodes if n.target is operator.mul}
+    read, written = scaled[3.0], scaled[2.0]
+    assert mutates_input(writes) and has_side_effects(writes)
+    assert written_targets(writes) == [written] and written_target(writes) is written
+    assert written_in_place(written) and not written_in_place(read)
+    assert not mutates_input(reads) and written_targets(reads) == []

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import copy
+
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
+import fxrec
+from tests.compile.helpers import compiled_matches_eager
 from tests.passes.test_linear import check_equivalent, fired, forward_ops
 
 RULES = ["dedup", "dead_code"]
@@ -151,3 +157,61 @@ def test_unused_split_pieces_are_merged() -> None:
     plain = fxrec.count_kernels(Pieces(), x).backward_ops
     fused = fxrec.count_kernels(opt, x).backward_ops
     assert plain["aten::zeros"] == 6 and fused["aten::zeros"] == 3
+
+
+IN_PLACE_MODULES = {
+    "elu": lambda: nn.ELU(inplace=True),
+    "leaky_relu": lambda: nn.LeakyReLU(0.1, inplace=True),
+    "relu6": lambda: nn.ReLU6(inplace=True),
+    "selu": lambda: nn.SELU(inplace=True),
+}
+
+
+@pytest.mark.parametrize("act", sorted(IN_PLACE_MODULES))
+def test_in_place_modules_in_a_dynamo_graph_keep_their_inputs_apart(act: str) -> None:
+    """Dynamo records ``nn.ELU(inplace=True)`` as ``F.elu(h, 1.0, True)``, ``inplace`` by
+    position: the activation writes its own ``x * 2``; merged with the other one, the sum
+    read the written tensor."""
+
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.act, self.lin = IN_PLACE_MODULES[act](), nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(self.act(x * 2.0)) + x * 2.0
+
+    x = torch.randn(4, 8, requires_grad=True)
+    compiled_matches_eager(Twice(), (x,), fxrec.compile_backend("eager", rules=["dedup"]))
+
+
+class RegionsWritingTheirArgument(nn.Module):
+    """Each checkpointed tower applies ``nn.ELU(inplace=True)`` to its own ``x * 2``: the
+    writes happen inside the regions' bodies, on the arguments dynamo passes them."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+        self.towers = nn.ModuleList(
+            nn.Sequential(nn.ELU(inplace=True), nn.Linear(8, 8)) for _ in range(3)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        outs = [checkpoint(t, x * 2.0, use_reentrant=self.reentrant) for t in self.towers]
+        return torch.cat(outs, 1)
+
+
+@pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_arguments_a_checkpointed_region_writes_are_not_merged(
+    reentrant: bool, backend: str
+) -> None:
+    """Merged, the three ``x * 2`` became one tensor every region wrote: wrong outputs with
+    ``"eager"``, a failed version check with ``"aot_eager"``. (Training through such
+    regions: tests/compile/test_checkpoint_regions.py.)"""
+    model, x = RegionsWritingTheirArgument(reentrant), torch.randn(4, 8)
+    compiled = torch.compile(
+        copy.deepcopy(model), backend=fxrec.compile_backend(backend), dynamic=False
+    )
+    torch.testing.assert_close(compiled(x), model(x), rtol=0, atol=0)
