@@ -35,7 +35,7 @@ from fxrec.graph.effects import (
     mode_regions,
     mutates_input,
     records_grad,
-    written_target,
+    written_targets,
 )
 from fxrec.graph.pieces import piece_of
 from fxrec.graph.rule import HorizontalRule, LocalRule, RewriteContext, Rule
@@ -190,10 +190,16 @@ def _effect_between(
 
 
 def _state_read_between(write: fx.Node, lo: int, hi: int, reach: Reachability) -> bool:
-    """Unless ``write`` writes module state (a ``get_attr``): True. Else, does any node from
-    the first member to the last (members too) but the write read that state, directly or
-    through a view of it? Such a read may move past the write or read it too late."""
-    target = written_target(write)
+    """Unless ``write`` writes only module state (``get_attr``s): True. Else, does any node
+    from the first member to the last (members too) but the write read that state, directly
+    or through a view of it? Such a read may move past the write or read it too late. A
+    region may write several (a BatchNorm's running mean and variance): each counts."""
+    targets = written_targets(write)
+    return not targets or any(_read_between(write, t, lo, hi, reach) for t in targets)
+
+
+def _read_between(write: fx.Node, target: Any, lo: int, hi: int, reach: Reachability) -> bool:
+    """:func:`_state_read_between` for one tensor ``write`` writes."""
     if not (isinstance(target, fx.Node) and target.op == "get_attr"):
         return True
     work = [n for n in write.graph.find_nodes(op="get_attr") if n.target == target.target]

@@ -55,7 +55,7 @@ from fxrec.graph.effects import (
     has_side_effects,
     mutates_input,
     view_bases,
-    written_target,
+    written_targets,
 )
 from fxrec.graph.rule import LocalRule, RewriteContext, register
 
@@ -107,11 +107,11 @@ def _order_writes(nodes: Sequence[fx.Node], deps: dict[fx.Node, set[fx.Node]]) -
         for m in mem:
             if m in writer:
                 deps[n].add(writer[m])
-        target = written_target(n) if mutates_input(n) else None
-        if isinstance(target, fx.Node):
-            m = view_bases(target)[-1]
-            deps[n].update(r for r in readers.get(m, ()) if r is not n)
-            writer[m] = n
+        for target in written_targets(n) if mutates_input(n) else ():
+            if isinstance(target, fx.Node):
+                m = view_bases(target)[-1]
+                deps[n].update(r for r in readers.get(m, ()) if r is not n)
+                writer[m] = n
         for m in mem:
             readers.setdefault(m, []).append(n)
 
