@@ -124,6 +124,8 @@ def _signature(x: Any) -> Any:
     per-key strides, a TensorDict's batch size (or each jagged entry's rows when it has none)
     and combined features' per-key strides key graphs too, read from host metadata.
     """
+    if type(x) is tuple:  # the arguments (every call), and tuples inside them
+        return ("tuple", *map(_signature, x))
     if type(x) is torch.Tensor:  # a plain tensor's sizes are ints: its Size as it is (fast)
         return ("T", x.shape, x.dtype, x.device, x.requires_grad)
     if type(x) is _NJT:  # a jagged nested tensor: its rows (its ids' count stays out)
@@ -250,23 +252,25 @@ def _type_signature(x: Any) -> Any:
 
 @functools.lru_cache(maxsize=8 * MAX_CACHED_SIGNATURES)  # new signatures compare the cache's
 def _structure(x: Any, rows: bool = True) -> Any:
-    """``_signature`` without dense sizes: what a graph depends on beyond the cost model's
+    """``_signature`` without the batch: what a graph depends on beyond the cost model's
     choices.
 
-    Rules bake no dense size into a graph, so a graph built for one signature runs any other
-    of the same structure (keys, dtypes, ranks of tensors, constants), only perhaps less well.
-    They do bake sparse inputs' rows per key, which stay (unless ``rows`` is false).
+    Rules bake no dense input's dim 0 (the batch) into a graph: they flatten and unflatten
+    it as ``-1`` or read it at run time. Every other dim may be baked (a sequence's length
+    unflattened back, a bag's number of ids, a piece's width), so a graph built for one
+    signature runs any other that differs in dense inputs' dim 0 alone, only perhaps less
+    well. Sparse inputs' rows per key are baked too, and stay (unless ``rows`` is false).
     """
-    return _without_sizes(x, rows)
+    return _without_batch(x, rows)
 
 
-def _without_sizes(x: Any, rows: bool) -> Any:
+def _without_batch(x: Any, rows: bool) -> Any:
     if isinstance(x, tuple):
         if x and x[0] == "T" and isinstance(x[1], tuple):  # (not a KJT's keys, "T" first)
-            return ("T", len(x[1]), *x[2:])
+            return ("T", len(x[1]), tuple(x[1][1:]), *x[2:])
         if x and x[0] is _ROWS:
             return x if rows else _ROWS
-        return tuple(_without_sizes(i, rows) for i in x)
+        return tuple(_without_batch(i, rows) for i in x)
     return x
 
 
@@ -315,15 +319,16 @@ class OptimizedModule(nn.Module):
         self._spilled: dict[Any, Any] = {}  # signatures past the cache -> their shared runner
         self._dynamo_backend: Any = None
         self._assigned: set[str] = set()  # buffers forward reassigns: dynamo reads them per call
-        self._submodules = list(model.modules())
-        _watched.update(self._submodules)
+        self._follow_modules(list(model.modules()))
         self._registrations_seen = _count_registrations()
         self._params = dict(model.named_parameters(remove_duplicate=False))
-        self._slots_stamp: Any = None
+        self._slots_stamp: Any = None  # the registration count and flat parameters' number
+        self._slots_flats = -1  # when ``_slots`` were listed (see ``_params_swapped``)
         self._hooks_seen = -1  # RemovableHandle.next_id when submodules were last looked at
         self._hooked_modules: list[tuple[int, nn.Module]] = []
         self._global_ids: tuple = ()  # the global module hooks' ids, when there are some
-        self._hook_sizes: list[tuple[dict, int]] = []
+        self._hook_tables: list[dict] = []  # hook tables looked at, and their sizes then
+        self._hook_sizes: list[int] = []
         self._params_swapped()  # the tensors calls expect, taken before any call swaps them
         self.fxrec_report = Report()
         self.train(model.training)
@@ -414,9 +419,9 @@ class OptimizedModule(nn.Module):
         writes them into the modules' ``_parameters`` (no registration), while graphs hold the
         tensors they were built with; the model run eagerly reads them (per-sample gradients,
         meta-learning). Rechecked on every call: about 50 ns a parameter."""
-        stamp = (_registered[0], len(self._modules["fxrec_fused"]._parameters))
-        if self._slots_stamp != stamp:
-            self._slots_stamp = stamp
+        flats = self._modules["fxrec_fused"]._parameters
+        if self._slots_stamp != _registered[0] or self._slots_flats != len(flats):
+            self._slots_stamp, self._slots_flats = _registered[0], len(flats)
             slots = [
                 (m._parameters, n, p)
                 for m in (*self.model.modules(), self.fxrec_fused)
@@ -513,11 +518,22 @@ class OptimizedModule(nn.Module):
             return
         logger.info("fxrec: submodules of the model were replaced or added; rebuilding graphs")
         self._forget_graphs()
-        self._submodules = now
-        _watched.update(now)
+        self._follow_modules(now)
         self._hooks_seen = -1  # hooks looked for again, on the new modules
-        self._hooked_modules, self._hook_sizes = [], []
+        self._hooked_modules, self._hook_tables, self._hook_sizes = [], [], []
         # (the parameter tables ``_params_swapped`` checks follow the registration count)
+
+    def _follow_modules(self, modules: list[nn.Module]) -> None:
+        """The submodules whose flags and hooks ``_mode`` reads on every call, and where it
+        reads their flags: each module's ``__dict__`` (an item read costs half an attribute
+        read), or the modules themselves where one keeps ``training`` elsewhere."""
+        self._submodules = modules
+        _watched.update(modules)
+        dicts = [m.__dict__ for m in modules]
+        if all("training" in d for d in dicts):
+            self._flags_at, self._read_flag = dicts, _TRAINING_ITEM
+        else:
+            self._flags_at, self._read_flag = modules, _TRAINING
 
     def _forget_graphs(self) -> None:
         """Drop every graph: they hold the model's modules and tensors as they were."""
@@ -562,16 +578,17 @@ class OptimizedModule(nn.Module):
         Runs on every call: submodules are looked at for hooks only after a hook was
         registered (or a hook table of a hooked module changed size: one removed)."""
         t = self.training
-        if RemovableHandle.next_id != self._hooks_seen or any(
-            len(table) != n for table, n in self._hook_sizes
+        if (
+            RemovableHandle.next_id != self._hooks_seen
+            or list(map(len, self._hook_tables)) != self._hook_sizes
         ):
             self._find_hooks()
-        flags = map(_TRAINING, self._submodules)
+        flags = map(self._read_flag, self._flags_at)
         hooked = self._hooked_modules or self._global_ids
         if not hooked and (all(flags) if t is True else not any(flags)):
             return t
         return (
-            tuple(m.training for m in self._submodules),
+            tuple(map(self._read_flag, self._flags_at)),
             tuple(_hook_ids(i, m) for i, m in self._hooked_modules),
             self._global_ids,
         )
@@ -581,11 +598,13 @@ class OptimizedModule(nn.Module):
         self._hooked_modules = [(i, m) for i, m in enumerate(self._submodules) if has_hooks(m)]
         tables = _global_hooks()
         self._global_ids = tuple(tuple(t) for t in tables) if any(tables) else ()
-        self._hook_sizes = [
-            (table, len(table))
-            for _, m in self._hooked_modules
-            for table in (getattr(m, a) for a in _MODULE_HOOKS)
-        ] + [(table, len(table)) for table in tables]
+        # Only tables holding hooks: an empty one grows by registering, which makes a handle
+        # (``next_id``); a hook removed shrinks its table and makes none.
+        self._hook_tables = [
+            t for t in [getattr(m, a) for _, m in self._hooked_modules for a in _MODULE_HOOKS]
+            + tables if t
+        ]  # fmt: skip
+        self._hook_sizes = list(map(len, self._hook_tables))
 
     def _owner(self) -> FusedParameters | None:
         return None if self._keep_params else self.fxrec_fused
@@ -631,15 +650,19 @@ class OptimizedModule(nn.Module):
             return runner
         exporting = torch.compiler.is_exporting()
         full = len(self._runners) >= MAX_CACHED_SIGNATURES
-        if loose and (exporting or mode in self._communicates or full):
+        forced = exporting or mode in self._communicates
+        if loose and (forced or full):
             # A graph of the same structure runs these inputs too. Reused when the cache is
-            # full, and always when the graph communicates: building runs the graph, whose
-            # collectives would then run on this rank only (other ranks' batch sizes differ).
-            # And while exporting: the inputs are fake, with symbolic sizes no rule fuses.
+            # full (once it gave the model's outputs on them), and always when the graph
+            # communicates: building runs the graph, whose collectives would then run on
+            # this rank only (other ranks' batch sizes differ). And while exporting: the
+            # inputs are fake, with symbolic sizes no rule fuses.
             runner = self._runners[loose[0]]
-            if len(self._runners) < MAX_CACHED_SIGNATURES:
-                self._runners[key] = runner
-            return runner
+            if forced or self._serves(runner, args, kwargs):
+                if len(self._runners) < MAX_CACHED_SIGNATURES:
+                    self._runners[key] = runner
+                return runner
+            full = False  # a graph of its own (the oldest signature makes room), not eager
         if mode in self._communicates and any(k[0] == mode for k in self._runners):
             # Inputs of a new structure (a KJT's keys in another order) on a model whose
             # graphs communicate, maybe on this rank alone: building would run a new graph's
@@ -701,6 +724,39 @@ class OptimizedModule(nn.Module):
             del self._runners[next(iter(self._runners))]
         self._runners[key] = runner
         return runner
+
+    def _serves(self, runner: Any, args: tuple, kwargs: dict) -> bool:
+        """Does ``runner``, built for another batch size, give the model's outputs on these
+        inputs? Rules bake no dense input's dim 0 (see ``_structure``), but a model may
+        read another dim as its batch (a sequence-first ``(L, B)`` tensor, transposed):
+        the graph built for one length would pool the wrong rows of another. So a graph
+        serves a new batch size past the cache once it is checked on its first inputs, as
+        each graph built is (with ``check=False``, or fake inputs, unchecked). The check's
+        runs are fxrec's own: dispatch modes around the call (``count_kernels``, a tracer)
+        do not see them."""
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        if not self._check or _fake(args, kwargs) or isinstance(runner, (_EagerRunner, _Unfused)):
+            return True  # (the model itself, or its trace: no size baked)
+        with _hooks_silenced(self.model), _disable_current_modes():
+            try:
+                with _preserved_state(self.model, (args, kwargs)), torch.no_grad():
+                    reference = self.model(*args, **kwargs)
+                grad = torch.is_grad_enabled()  # a compiled graph compiles for this mode
+                same = _same_outputs(self.model, runner, args, reference, grad, kwargs)
+            except Exception as exc:  # a size it baked does not fit: build one for them
+                logger.debug("fxrec: a graph of another batch size raised: %s", exc)
+                same = False
+        if not same:
+            note = (
+                "a graph built for another batch size disagrees with the model on new sizes "
+                "past the cache (a dim other than the first is the batch?): they get graphs "
+                "of their own"
+            )
+            if note not in self.fxrec_report.notes:
+                logger.info("fxrec: %s", note)
+                self.fxrec_report.note(note)
+        return same
 
     def _overflow_runner(self, mode: Any) -> Any:
         """One dynamo capture with symbolic sizes for the signatures past the cache (more
@@ -775,7 +831,11 @@ class OptimizedModule(nn.Module):
         ``forward``'s code object, so optimizing several instances, or one on many input
         signatures, would hit that limit; run eagerly, a model whose parameters fxrec laid
         out would then send its gradients to the members instead of the flat parameters.
-        Each signature therefore compiles a private copy of ``forward``'s code object.
+        Each signature therefore compiles a private copy of ``forward``'s code object, and
+        keeps the recompiles of the functions it calls apart from other captures'
+        (``isolate_recompiles``, where torch has it): those dynamo compiles as frames of
+        their own after a graph break (a helper of the model's, sparse plumbing) are shared
+        by every signature and every model.
         """
         if self._dynamo_backend is None:
             from fxrec.compile.backend import compile_backend
@@ -795,7 +855,9 @@ class OptimizedModule(nn.Module):
         # for code shared with other signatures (a module compiled with its hooks).
         if dynamic is None and fn is self.model:
             dynamic = False
-        compiled = torch.compile(fn, backend=self._dynamo_backend, dynamic=dynamic)
+        compiled = torch.compile(
+            fn, backend=self._dynamo_backend, dynamic=dynamic, **_ISOLATED_RECOMPILES
+        )
         code, params = _code_and_params(fn, self.model)
         return _DynamoRunner(
             compiled, self._dynamo_backend, code, params, self.fxrec_report,
@@ -1013,7 +1075,10 @@ class OptimizedModule(nn.Module):
         state["_communicates"] = set()
         state["_dynamo_backend"] = None
         state["_slots"], state["_slots_stamp"] = [], None
-        state["_hooks_seen"], state["_hooked_modules"], state["_hook_sizes"] = -1, [], []
+        state["_hooks_seen"], state["_hooked_modules"] = -1, []
+        state["_hook_tables"], state["_hook_sizes"] = [], []
+        for name in ("_flags_at", "_read_flag"):  # the modules' own dicts: set on loading
+            state.pop(name, None)
         state["_global_ids"] = ()
         state["fxrec_report"] = self.fxrec_report.for_copy()
         return state
@@ -1021,7 +1086,9 @@ class OptimizedModule(nn.Module):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self.__dict__.setdefault("_spilled", {})  # (saved before it existed)
-        _watched.update(self._submodules)  # a loaded model's modules are new objects
+        self.__dict__.setdefault("_hook_tables", [])
+        self._hook_sizes = []  # (pairs of tables and sizes before)
+        self._follow_modules(self._submodules)  # a loaded model's modules are new objects
         # Loaded in a fresh process, nothing has installed the registration hooks yet: a
         # submodule or parameter replaced after loading would go unseen. The first call looks.
         _count_registrations()
@@ -1123,8 +1190,16 @@ def _code_and_params(fn: Any, model: nn.Module) -> tuple[Any, list[str]]:
     return fn.__func__.__code__, names
 
 
+# Each capture's recompiles counted on their own (torch 2.13+; before, shared frames share
+# dynamo's limit across captures).
+_ISOLATED_RECOMPILES = (
+    {"isolate_recompiles": True}
+    if "isolate_recompiles" in inspect.signature(torch.compile).parameters
+    else {}
+)
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 _TRAINING = operator.attrgetter("training")
+_TRAINING_ITEM = operator.itemgetter("training")
 _fx_trace = torch.fx._symbolic_trace  # its flag is set while any thread traces
 _jit_tracing = torch._C._is_tracing
 _PORTABLE = (
@@ -1320,15 +1395,27 @@ class _DynamoRunner:
                 if not self.routes_checked and torch.is_grad_enabled():
                     return self._checking_routes(args, kwargs)
                 return self.compiled(*args, **kwargs)
-        except torch._dynamo.exc.FailOnRecompileLimitHit:
+        except torch._dynamo.exc.FailOnRecompileLimitHit as exc:
             self.exhausted = True
-        note = (
-            "dynamo reached its recompile limit on one input signature (a Python value the "
-            "forward reads changes every call?); those calls run the model eagerly"
-        )
+            note = self._limit_note(_limit_code(exc))
         logger.warning("fxrec: %s", note)
         self.report.note(note)
         return self.fallback(*args, **kwargs)
+
+    def _limit_note(self, code: types.CodeType | None) -> str:
+        """What reached dynamo's recompile limit, for the report: the model's forward (a
+        value it reads changes every call), or a function it calls, named."""
+        eager = "those calls run the model eagerly"
+        if code is None or code is self.code:
+            return (
+                "dynamo reached its recompile limit on one input signature (a Python value "
+                f"the forward reads changes every call?); {eager}"
+            )
+        where = f"{code.co_name} ({code.co_filename}:{code.co_firstlineno})"
+        return (
+            f"dynamo reached its recompile limit in {where}, a function the forward calls "
+            f"that dynamo compiles as a frame of its own (after a graph break); {eager}"
+        )
 
     def _checking_routes(self, args: tuple, kwargs: dict) -> Any:
         """The first call with autograd: does any gradient go to a laid-out member?
@@ -1374,6 +1461,19 @@ class _DynamoRunner:
         logger.warning("fxrec: %s", note)
         self.report.note(note)
         return result if stands else self.fallback(*args, **kwargs)
+
+
+def _limit_code(exc: BaseException) -> types.CodeType | None:
+    """The code object whose compile reached dynamo's recompile limit, read from the frames
+    of dynamo's compile that raised ``exc`` (None where they do not show it)."""
+    code = None
+    tb = exc.__traceback__
+    while tb is not None:
+        found = tb.tb_frame.f_locals.get("code")
+        if isinstance(found, types.CodeType):
+            code = found
+        tb = tb.tb_next
+    return code
 
 
 def _rank_local(model: nn.Module) -> list[str]:
@@ -1679,6 +1779,14 @@ def _written_params(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in out.values() if _version(p) is not None]
 
 
+def _saved_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t``'s values to put back, outside autograd. Not ``t.detach()``: under
+    ``inference_mode``, detaching a jagged nested tensor made outside it raises (its view
+    would share the version counter, which inference mode has none of)."""
+    with torch.no_grad():
+        return t.clone()
+
+
 class _preserved_state:
     """Capture runs the model; it must not change running statistics, buffers a forward
     reassigns (``self.steps = self.steps + 1``), inputs it changes in place, parameters it
@@ -1693,14 +1801,14 @@ class _preserved_state:
         from torch.utils._pytree import tree_leaves
 
         self.buffers = [
-            (m._buffers, name, b, b.detach().clone())
+            (m._buffers, name, b, _saved_copy(b))
             for m in self.model.modules()
             for name, b in m._buffers.items()
             if b is not None
         ]
         # inputs restored only if a run changed them (their version counter moved)
         self.args = [
-            (t, t._version, t.detach().clone())
+            (t, t._version, _saved_copy(t))
             for t in tree_leaves(self.inputs)
             if isinstance(t, torch.Tensor) and not t.is_inference()
         ]
@@ -1712,7 +1820,7 @@ class _preserved_state:
     def _watch_params(self) -> None:
         """Copy the parameters known to be written; note every parameter's version (and
         its flat tensors'), to tell a write to one of the others."""
-        self.params = [(p, p.detach().clone()) for p in _written_params(self.model)]
+        self.params = [(p, _saved_copy(p)) for p in _written_params(self.model)]
         self.versions: dict[int, tuple[torch.Tensor, int]] = {}
         for p in self.model.parameters():
             for t in (p, *_flats_holding(p)):

@@ -19,7 +19,7 @@ Two rules, one per shape of parallelism:
   towers, experts, task towers, FiBiNET's per-field bilinear weights) become one
   ``torch.baddbmm`` over ``(N, rows, in)`` with the weights laid out once as ``(N, out, in)``.
   An input ``(*lead, in)`` is its rows flattened (a Linear applies per row: exact), the
-  result unflattened back with ``-1`` for the first leading dim. Inputs that are consecutive
+  result unflattened back to the leading dims read at run time. Inputs that are consecutive
   pieces of one tensor (``split`` of the features, ``unbind``, ``split(x, 1, dim)``) are
   read through a view (``unflatten`` + ``transpose``/``movedim``; flattening more than one
   leading dim after that copies); separate inputs are stacked. Copied inputs are fused on a
@@ -40,6 +40,7 @@ No size taken from the input (the batch) is ever baked into the rewritten graph.
 from __future__ import annotations
 
 import logging
+import operator
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -188,13 +189,15 @@ class _Batch:
 
     ``lead`` is the members' leading dims once their own dim is removed (``rest`` below):
     when it holds more than one dim, the rows were flattened and the result is unflattened
-    back; ``member_dim`` is where a length-1 member dim goes back (``split(x, 1, dim)``).
+    back to the sizes of ``shaped`` (``(N, *lead, in)``) read at run time; ``member_dim`` is
+    where a length-1 member dim goes back (``split(x, 1, dim)``).
     """
 
     node: fx.Node
     order: list[int]
     copied: bool
     lead: tuple[int, ...]
+    shaped: fx.Node
     member_dim: int | None = None
 
 
@@ -265,10 +268,10 @@ def _batched_view(inputs: Sequence[fx.Node], in_f: int) -> _View | None:
 
 def _stacked(ctx: RewriteContext, inputs: Sequence[fx.Node], lead: tuple[int, ...]) -> _Batch:
     """Separate inputs copied into one ``(N, rows, in)`` tensor."""
-    x = ctx.call(torch.stack, (list(inputs), 0))
+    stacked = x = ctx.call(torch.stack, (list(inputs), 0))
     if len(lead) > 1:
         x = ctx.call_method("flatten", (x, 1, -2))  # a view of the stacked copy
-    return _Batch(x, list(range(len(inputs))), True, lead)
+    return _Batch(x, list(range(len(inputs))), True, lead, stacked)
 
 
 def _batch_inputs(ctx: RewriteContext, inputs: Sequence[fx.Node], in_f: int) -> _Batch:
@@ -287,16 +290,27 @@ def _batch_inputs(ctx: RewriteContext, inputs: Sequence[fx.Node], in_f: int) -> 
         x = ctx.call_method("transpose", (x, 0, 1))  # (N, ..., in), a view
     elif dim != 0:
         x = ctx.call_method("movedim", (x, dim, 0))
+    shaped = x  # (N, *rest, in)
     if len(view.rest) > 1:
         x = ctx.call_method("flatten", (x, 1, -2))  # (N, rows, in)
     member_dim = dim if view.kind == "split_one" else None
-    return _Batch(x, view.order, view.copied, view.rest, member_dim)
+    return _Batch(x, view.order, view.copied, view.rest, shaped, member_dim)
 
 
 def _unbatch(ctx: RewriteContext, y: fx.Node, batch: _Batch) -> fx.Node:
-    """``(N, rows, out)`` back to ``(N, *member leading dims, out)``; no batch size baked in."""
+    """``(N, rows, out)`` back to ``(N, *member leading dims, out)``.
+
+    The leading dims are read from the inputs at run time: whichever of them is the batch
+    (the first one, or a later one of a transposed sequence-first tensor), no size taken
+    from the inputs is baked in, so the graph serves every batch size."""
     if len(batch.lead) > 1:
-        y = ctx.call_method("unflatten", (y, 1, (-1, *batch.lead[1:])))
+        yi = ctx.info(y)
+        assert yi is not None
+        sizes = ctx.call(torch.Tensor.size, (batch.shaped,), infer=False)
+        lead = ctx.call(operator.getitem, (sizes, slice(1, -1)), infer=False)
+        y = ctx.call_method("unflatten", (y, 1, lead), infer=False)
+        shape = (yi.shape[0], *batch.lead, yi.shape[-1])
+        meta.set_info(y, meta.TensorInfo(shape, yi.dtype, yi.device, yi.requires_grad))
     if batch.member_dim is not None:
         y = ctx.call_method("unsqueeze", (y, batch.member_dim + 1))
     return y

@@ -342,6 +342,14 @@ def kjt_from_tensordict(
     same entries (each feature's rows are its NJT's), or per-sample TensorDicts stacked with
     ``LazyStackedTensorDict.lazy_stack(samples)``.
     """
+    if torch.compiler.is_compiling():
+        return _converted_eagerly(td, keys)
+    return _kjt_from_tensordict(td, keys)
+
+
+def _kjt_from_tensordict(
+    td: TensorDictBase | Mapping[str, Any], keys: Sequence[str] | None
+) -> KeyedJaggedTensor:
     keys = list(td.keys()) if keys is None else list(keys)
     if _recorders and isinstance(td, TensorDictBase):  # (a plain dict cannot be prepared)
         for log in _recorders:
@@ -353,6 +361,14 @@ def kjt_from_tensordict(
     if prepared is not None:
         return prepared
     return _convert(td, keys, entries)
+
+
+# Under dynamo (a model fxrec captures with it, ``torch.compile``), the conversion runs as
+# written: it is host work (rows per key, offsets read back), which dynamo would split into
+# frames of this module's functions guarded on each batch's rows. Those frames are shared by
+# every compiled model and input signature, and would reach dynamo's recompile limit after a
+# few batch sizes or rows per key.
+_converted_eagerly = torch.compiler.disable(_kjt_from_tensordict)
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ import heapq
 import operator
 import random
 from collections import defaultdict
+from typing import Any
 
 import pytest
 import torch
@@ -395,3 +396,122 @@ def test_rules_accept_nothing_outside_their_candidates() -> None:
                     assert rule.key(node, ctx) is None, (rule.name, node.format_node())
                 else:
                     assert not rule.match(node, ctx), (rule.name, node.format_node())
+
+
+# -- per-call checks of a call past the signature cache ------------------------------------------
+class _Served(torch.nn.Module):
+    """Parallel towers (laid out in flat parameters) before a Dropout, whose flag matters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.towers = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.LayerNorm(8)) for _ in range(3)
+        )
+        self.drop = torch.nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(torch.cat([t(x) for t in self.towers], 1))
+
+
+class _OwnFlag(torch.nn.Module):
+    """A module keeping ``training`` outside its ``__dict__`` (a property)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.drop = torch.nn.Dropout(0.5)
+
+    @property
+    def training(self) -> bool:  # type: ignore[override]
+        return self.drop.training
+
+    @training.setter
+    def training(self, mode: bool) -> None:
+        self.__dict__.pop("training", None)  # (set by Module.__init__ before the property)
+
+
+class _ServedWithOwnFlag(_Served):
+    def __init__(self) -> None:
+        super().__init__()
+        self.own = _OwnFlag()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.own.drop(super().forward(x))
+
+
+@contextlib.contextmanager
+def _past_the_cache(model: torch.nn.Module) -> Any:
+    """(plain copy, optimized module) in eval mode and no_grad, the signature cache full: a
+    new batch size is served by a shared runner, as a serving loop's calls are."""
+    import copy
+
+    import fxrec
+    from fxrec.graph.module import MAX_CACHED_SIGNATURES
+
+    torch.manual_seed(0)
+    plain = copy.deepcopy(model).eval()
+    opt = fxrec.optimize(model, (torch.randn(4, 6),)).eval()
+    assert opt.fxrec_fused.member_ids()
+    with torch.no_grad():
+        for b in range(5, 6 + MAX_CACHED_SIGNATURES):
+            opt(torch.randn(b, 6))
+        yield plain, opt
+
+
+def _same(plain: torch.nn.Module, opt: torch.nn.Module, x: torch.Tensor) -> None:
+    """Equal outputs, the RNG stream the same for both (dropout in train mode)."""
+    torch.manual_seed(1)
+    want = plain(x)
+    torch.manual_seed(1)
+    torch.testing.assert_close(opt(x), want)
+
+
+def test_served_calls_follow_flat_data_replaced() -> None:
+    x = torch.randn(33, 6)
+    with _past_the_cache(_Served()) as (plain, opt):
+        _same(plain, opt, x)
+        for ps in (opt.parameters(), plain.parameters()):
+            for p in ps:
+                p.data = p.data * 2.0 + 0.5  # new storage: the members must read it
+        _same(plain, opt, x)
+
+
+@pytest.mark.parametrize("model", [_Served, _ServedWithOwnFlag])
+def test_served_calls_follow_a_submodule_put_in_train_mode_alone(model: type) -> None:
+    x = torch.randn(33, 6)
+    with _past_the_cache(model()) as (plain, opt):
+        for mode in (True, False, True):
+            for m in (plain, opt.model):
+                m.drop.train(mode)
+                if isinstance(m, _ServedWithOwnFlag):
+                    m.own.drop.train(mode)
+            _same(plain, opt, x)
+
+
+@pytest.mark.parametrize("where", ["module", "global"])
+def test_served_calls_follow_hooks_added_and_removed(where: str) -> None:
+    def shift(module: torch.nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        return out + 1.0 if isinstance(module, torch.nn.LayerNorm) else out
+
+    x = torch.randn(33, 6)
+    with _past_the_cache(_Served()) as (plain, opt):
+        for _ in range(2):  # registered, removed, then again
+            if where == "module":
+                handles = [m.towers[1].register_forward_hook(shift) for m in (plain, opt.model)]
+                _same(plain, opt, x)
+            else:
+                handles = [torch.nn.modules.module.register_module_forward_hook(shift)]
+                want = plain(x)
+                torch.testing.assert_close(opt(x), want)
+            for h in handles:
+                h.remove()
+            _same(plain, opt, x)
+
+
+def test_served_calls_read_the_tensors_functional_call_gives() -> None:
+    x = torch.randn(33, 6)
+    with _past_the_cache(_Served()) as (plain, opt):
+        given = {n: p * 3.0 for n, p in plain.named_parameters()}
+        want = torch.func.functional_call(plain, given, (x,))
+        got = torch.func.functional_call(opt, {f"model.{n}": t for n, t in given.items()}, (x,))
+        torch.testing.assert_close(got, want)
+        _same(plain, opt, x)  # and the model's own parameters after

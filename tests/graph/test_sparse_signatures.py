@@ -4,7 +4,9 @@ Rules bake sizes derived from a sparse input's rows per key into a graph (each f
 lengths, fused, split or stacked with fixed sizes), so a graph built for one batch must not
 serve another with other rows: a sparse-only model's last, smaller batch, or a variable batch
 per key. The number of ids changes every batch and stays out of the key. Past the cache, new
-rows per key run the model eagerly rather than building a graph on every batch.
+rows per key run the model eagerly rather than building a graph on every batch. Each new
+signature's build also serves sparse inputs made outside ``inference_mode`` under it, and
+dynamo's captures, one per signature, share no compiled frame up to dynamo's recompile limit.
 """
 
 from __future__ import annotations
@@ -70,6 +72,20 @@ def _kjt(rows: list[int], seed: int) -> KeyedJaggedTensor:
     return KeyedJaggedTensor(KEYS, ids, lengths=lengths, stride_per_key=rows)
 
 
+def assert_same_step(
+    plain: nn.Module, opt: Any, members: nn.Module, plain_args: tuple, opt_args: tuple
+) -> None:
+    """Outputs and gradients (by name, through the flat layouts) of one call equal the plain
+    model's; ``members``: the module whose parameters ``opt`` laid out."""
+    want, got = plain(*plain_args), opt(*opt_args)
+    torch.testing.assert_close(got, want)
+    want.square().sum().backward()
+    got.square().sum().backward()
+    grads = opt.fxrec_fused.grads(members)
+    for name, p in plain.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, msg=name)
+
+
 def _train_alike(
     plain: nn.Module,
     opt: nn.Module,
@@ -82,13 +98,7 @@ def _train_alike(
     sgd_plain = torch.optim.SGD(plain.parameters(), lr=0.1)
     sgd_opt = torch.optim.SGD(opt.parameters(), lr=0.1)
     for kjt in batches:
-        want, got = plain(kjt), opt(*feed(kjt))
-        torch.testing.assert_close(got, want)
-        want.square().sum().backward()
-        got.square().sum().backward()
-        grads = opt.fxrec_fused.grads(members)
-        for name, p in plain.named_parameters():
-            torch.testing.assert_close(grads[name], p.grad, msg=name)
+        assert_same_step(plain, opt, members, (kjt,), feed(kjt))
         sgd_plain.step()
         sgd_opt.step()
         sgd_plain.zero_grad()
@@ -256,3 +266,144 @@ def test_signatures_past_the_cache_build_nothing_on_later_calls(
             kjt = _kjt([b] * NF, b + 100)
             torch.testing.assert_close(opt(kjt), plain(kjt))
     assert builds == []
+
+
+def _feed(kind: str) -> Callable[[KeyedJaggedTensor], tuple]:
+    """A batch as the model's argument: the KJT, a TensorDict, or a dict of jagged nested
+    tensors."""
+    if kind == "td":
+        return lambda kjt: (kjt_to_tensordict(kjt),)
+    if kind == "njts":
+        return lambda kjt: (_njts(kjt),)
+    return lambda kjt: (kjt,)
+
+
+@pytest.mark.parametrize("kind", ["kjt", "td", "njts"])
+def test_inputs_made_outside_inference_mode_serve_under_it(kind: str) -> None:
+    """A request built outside ``inference_mode`` (by a loader, a parser) and served under
+    it: each new signature's build runs the model on copies of what it may change, and
+    the jagged tensors made outside the mode are copied inside it."""
+    torch.manual_seed(0)
+    plain = _Tower(per_key=False).eval()
+    feed = _feed(kind)
+    opt = fxrec.optimize(copy.deepcopy(plain), feed(_kjt([8] * NF, 0))).eval()
+    for b in range(2, 4 + MAX_CACHED_SIGNATURES):  # new batch sizes, into and past the cache
+        kjt = _kjt([b] * NF, b)
+        args = feed(kjt)
+        with torch.inference_mode():
+            got, want = opt(*args), plain(kjt)
+        torch.testing.assert_close(got, want)
+
+
+class _ShapeChecked(nn.Module):
+    """Two features' bags, each averaged over its own rows, behind a check on the output's
+    shape: no symbolic trace (dynamo captures each signature, fxrec's conversion of the
+    TensorDict inside)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bags = nn.ModuleList(nn.EmbeddingBag(ROWS, D, mode="sum") for _ in range(2))
+
+    def forward(self, sparse: Any) -> torch.Tensor:
+        kjt = _as_kjt(sparse)
+        parts = []
+        for bag, k in zip(self.bags, KEYS):
+            jt = kjt[k]
+            lens = jt.lengths()
+            parts.append(bag(jt.values(), torch.cumsum(lens, 0) - lens).mean(0, keepdim=True))
+        out = torch.cat(parts, 1)
+        return out * 0.5 if out.shape[0] > 0 else out
+
+
+def _steps_between_eval_calls(
+    opt: nn.Module, plain: nn.Module, members: nn.Module, feed: Callable, steps: int = 10
+) -> None:
+    """Training steps on a variable batch per key, each followed by a ``no_grad`` call: every
+    signature's capture compiles in both grad modes."""
+    rng = random.Random(0)
+    for i in range(steps):
+        spk = [rng.randint(1, 9) for _ in KEYS]
+        _train_alike(plain, opt, members, [_kjt(spk, i)], feed)
+        kjt = _kjt(spk, i + 100)
+        with torch.no_grad():
+            torch.testing.assert_close(opt(*feed(kjt)), plain(kjt))
+
+
+def test_conversions_compile_no_frame_shared_by_signatures(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """fxrec's TensorDict conversion, which every signature's capture runs, runs as written
+    under dynamo: no frame of its own whose compiled entries add up over signatures to
+    dynamo's recompile limit (even with recompiles shared by every capture, as before torch
+    2.13)."""
+    monkeypatch.setattr(module_mod, "_ISOLATED_RECOMPILES", {})
+    torch.manual_seed(0)
+    plain = _ShapeChecked()
+    model = copy.deepcopy(plain)
+    feed = _feed("td")
+    opt = fxrec.optimize(model, feed(_kjt([6] * NF, 0)))
+    assert opt.fxrec_report.capture == "dynamo"
+    _steps_between_eval_calls(opt, plain, model, feed)
+    assert not [n for n in opt.fxrec_report.notes if "recompile limit" in n]
+
+
+def _scaled(x: torch.Tensor, tag: str) -> torch.Tensor:
+    """A helper dynamo compiles as a frame of its own (it breaks the graph), one entry per
+    ``tag`` (each signature's batch size), which it reads before the break."""
+    y = x * (0.5 if tag else 1.0)
+    torch._dynamo.graph_break()
+    return y
+
+
+class _Helped(nn.Module):
+    """Parallel LayerNorms, then the helper (no symbolic trace: dynamo captures them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norms = nn.ModuleList(nn.LayerNorm(4) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > 0:
+            x = x + 1.0
+        parts = x.split(4, 1)
+        return _scaled(torch.cat([self.norms[i](parts[i]) for i in range(3)], 1), str(len(x)))
+
+
+def _helped_steps(*, isolated: bool, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Training calls and no_grad calls on 6 batch sizes; the optimized module."""
+    if not isolated:
+        monkeypatch.setattr(module_mod, "_ISOLATED_RECOMPILES", {})
+    torch.manual_seed(0)
+    plain = _Helped()
+    opt = fxrec.optimize(copy.deepcopy(plain), (torch.randn(2, 12),))
+    assert opt.fxrec_report.capture == "dynamo"
+    for b in range(3, 9):
+        x = torch.randn(b, 12)
+        torch.testing.assert_close(opt(x), plain(x))
+        with torch.no_grad():
+            torch.testing.assert_close(opt(x), plain(x))
+    return opt
+
+
+@pytest.mark.skipif(
+    not module_mod._ISOLATED_RECOMPILES, reason="torch.compile has no isolate_recompiles"
+)
+def test_a_function_every_signature_calls_reaches_no_recompile_limit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each signature's capture counts the recompiles of the functions it calls on its own:
+    a helper shared by all of them (and by every model) is no reason to run them eagerly."""
+    opt = _helped_steps(isolated=True, monkeypatch=monkeypatch)
+    assert not [n for n in opt.fxrec_report.notes if "recompile limit" in n]
+
+
+def test_a_recompile_limit_reached_in_a_called_function_names_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where a function the forward calls reaches dynamo's recompile limit (recompiles
+    shared by every capture, as before torch 2.13), the report names that function rather
+    than blaming a value the forward reads."""
+    opt = _helped_steps(isolated=False, monkeypatch=monkeypatch)
+    notes = [n for n in opt.fxrec_report.notes if "recompile limit" in n]
+    assert notes
+    assert all("in _scaled (" in n and "a Python value" not in n for n in notes), notes
