@@ -26,7 +26,7 @@ import logging
 import operator
 import re
 import weakref
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -156,9 +156,12 @@ class _Fingerprint:
     def matches(self, owner: FusedParameters, flags: bool = True) -> bool:
         """Per call: C-level passes over the tensors, no Python loop (~0.07 us a member and
         pass); ``flags=False`` leaves the ``requires_grad`` flags unchecked."""
+        params, buffers = owner._parameters, owner._buffers
         return (
-            _same_objects(self.params, owner._parameters.values())
-            and _same_objects(self.buffers, owner._buffers.values())
+            len(params) == len(self.params)
+            and all(map(operator.is_, self.params, params.values()))
+            and len(buffers) == len(self.buffers)
+            and all(map(operator.is_, self.buffers, buffers.values()))
             and list(map(_DATA_PTR, self.tensors)) == self.ptrs
             and (not flags or list(map(_REQUIRES_GRAD, self.tensors)) == self.flags)
         )
@@ -166,10 +169,6 @@ class _Fingerprint:
 
 _DATA_PTR = torch.Tensor.data_ptr
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
-
-
-def _same_objects(a: Sequence[object], b: Collection[object]) -> bool:
-    return len(a) == len(b) and all(map(operator.is_, a, b))
 
 
 # Every laid-out member parameter in the process, by id: (member, its flat parameter, where it
@@ -517,9 +516,12 @@ class FusedParameters(nn.Module):
         flags do not affect) compares only the data pointers, and leaves flags set since to
         the next call with autograd.
         """
+        if not self._members:  # nothing laid out: no flag, data or hook to look at
+            return
         if RemovableHandle.next_id != self._hooks_seen:  # some hook was registered since
             self._refuse_grad_hooks()
-        if not self._members or self._unchanged(flags=torch.is_grad_enabled()):
+        fp = self._fingerprint
+        if fp is not None and fp.matches(self, torch.is_grad_enabled()):
             return
         self._sync_all_data()
         for name in self._outer_first():  # a flag set on a flat tensor goes to what it holds
@@ -1185,7 +1187,7 @@ class ParamStore:
             return graph.call_function(F.layer_norm, (node.args[0], shape, w, b, mod.eps))
         module = graph.get_attr(node.target)
         return graph.call_function(
-            torch.func.functional_call, (module, params, tuple(node.args), dict(node.kwargs))
+            _functional_call, (module, params, tuple(node.args), dict(node.kwargs))
         )
 
     def flat_node(self, name: str) -> fx.Node:
@@ -1193,6 +1195,13 @@ class ParamStore:
         if not hasattr(self.gm, OWNER_ATTR):
             self.gm.add_submodule(OWNER_ATTR, self.owner)
         return self.gm.graph.get_attr(f"{OWNER_ATTR}.{name}")
+
+
+def _functional_call(module: nn.Module, params: dict, args: tuple, kwargs: dict) -> object:
+    """``torch.func.functional_call`` with plain containers: an ``fx.Interpreter`` (non-strict
+    export runs graphs through one) hands a node's dict arguments over as fx's immutable
+    dicts, which ``functional_call`` writes to."""
+    return torch.func.functional_call(module, dict(params), tuple(args), dict(kwargs))
 
 
 _RENORMING = (F.embedding, F.embedding_bag)  # with ``max_norm``, they renormalize rows in place

@@ -387,22 +387,9 @@ PLAIN_CASES = {
 }
 
 
-UNFUSED_READ_NOT_EXPORTABLE = pytest.mark.xfail(
-    strict=True,
-    reason="a bag read through its flat table is a torch.func.functional_call whose dict "
-    "arguments non-strict export's interpreter passes immutable (fxrec/graph/params.py)",
-)
-
-
 @pytest.mark.parametrize(
     ("case", "strict"),
-    [
-        pytest.param(c, s, marks=UNFUSED_READ_NOT_EXPORTABLE)
-        if c == "mixed_bag_lengths" and not s
-        else (c, s)
-        for c in PLAIN_CASES
-        for s in (False, True)
-    ],
+    [(c, s) for c in PLAIN_CASES for s in (False, True)],
 )
 def test_export_of_fused_bags_does_their_lookup_in_torch_ops(
     case: str, strict: bool, tmp_path: Path
