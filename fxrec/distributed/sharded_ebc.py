@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 import hashlib
 import logging
 from collections.abc import Callable, Sequence
@@ -38,9 +37,7 @@ from fxrec.distributed import dist_ops
 from fxrec.distributed import row_wise as rowwise
 from fxrec.distributed.comm import group_name, translated
 from fxrec.distributed.plan import ShardingPlan, TableSpec, greedy_plan
-from fxrec.nn.config import EmbeddingBagConfig
 from fxrec.nn.inputs import as_kjt as read_input
-from fxrec.nn.layout import Layout, plan_layout
 from fxrec.sparse import KeyedJaggedTensor, KeyedTensor, prepare_kjt
 
 logger = logging.getLogger(__name__)
@@ -597,21 +594,7 @@ def read_kjt(features: Any, layout: dist_ops.IdsLayout) -> KeyedJaggedTensor:
     alone); a dict of JaggedTensors; TorchRec's KJT."""
     if isinstance(features, KeyedJaggedTensor):
         return features
-    return read_input(features, _reading(layout), layout.weighted)
-
-
-@torch.compiler.disable  # dynamo ignores the cache (and warns): it would build it per trace
-@functools.lru_cache(maxsize=64)
-def _reading(layout: dist_ops.IdsLayout) -> Layout:
-    """A layout of the features ``layout`` reads, for :func:`fxrec.nn.inputs.as_kjt`: which
-    features a collection reads, not its tables' shapes, decide how it reads an input."""
-    return plan_layout(
-        [
-            EmbeddingBagConfig(num_embeddings=1, embedding_dim=1, name=f, feature_names=[f])
-            for f in layout.features()
-        ],
-        None,
-    )
+    return read_input(features, layout.features(), layout.weighted)
 
 
 def kept_kjt(features: Any, layout: dist_ops.IdsLayout) -> KeyedJaggedTensor:

@@ -131,6 +131,7 @@ class EmbeddingBagCollection(nn.Module):
         self._length_per_key = self._layout.dims()
         self._runs = _runs(self._layout)
         self._members_group_major = [self._layout.members[i] for i in self._layout.group_major()]
+        self._lookup_order = [m.feature for m in self._members_group_major]
         self._plans: dict[tuple[str, ...], Plan] = {}
         self._device_consts: dict[tuple[int, torch.device, str], Any] = {}
 
@@ -232,7 +233,7 @@ class EmbeddingBagCollection(nn.Module):
     # ---- forward ------------------------------------------------------------------------------
     def forward(self, features: Any) -> KeyedTensor:
         """Pool every (table, feature) of ``features`` (KJT, TensorDict or dict of JTs)."""
-        kjt = as_kjt(features, self._layout, self._is_weighted)
+        kjt = as_kjt(features, self._layout.features, self._is_weighted, self._lookup_order)
         plan = self._plan(kjt)
         batch = batch_size(kjt, plan)
         weights = kjt.weights_or_none() if self._is_weighted else None

@@ -40,16 +40,21 @@ def _missing(missing: list[str], have: Sequence[str]) -> ValueError:
     )
 
 
-def as_kjt(features: Any, layout: Layout, weighted: bool) -> KeyedJaggedTensor:
-    """Any accepted input as a KJT holding (at least) the features ``layout`` reads."""
+def as_kjt(
+    features: Any, keys: Sequence[str], weighted: bool, order: Sequence[str] | None = None
+) -> KeyedJaggedTensor:
+    """Any accepted input as a KJT holding (at least) the features ``keys`` (those a
+    collection reads; other entries of a TensorDict or dict are left alone). A dict of
+    JaggedTensors is joined in ``order`` (default ``keys``): the collection's lookup order,
+    so that no gather follows."""
     if isinstance(features, KeyedJaggedTensor):
         return features
     if isinstance(features, Mapping) and not hasattr(features, "batch_size"):
-        if _holds_njts(features, layout):  # read as a TensorDict's entries are
-            return kjt_from_tensordict(features, keys=list(layout.features))
-        return _from_jt_dict(features, layout, weighted)
+        if _holds_njts(features, keys):  # read as a TensorDict's entries are
+            return kjt_from_tensordict(features, keys=list(keys))
+        return _from_jt_dict(features, keys if order is None else order, weighted)
     if hasattr(features, "batch_size") and hasattr(features, "keys"):  # a TensorDict
-        return kjt_from_tensordict(features, keys=list(layout.features))
+        return kjt_from_tensordict(features, keys=list(keys))
     if type(features).__module__.startswith("torchrec"):
         from fxrec.sparse import from_torchrec
 
@@ -60,10 +65,10 @@ def as_kjt(features: Any, layout: Layout, weighted: bool) -> KeyedJaggedTensor:
     )
 
 
-def _holds_njts(features: Mapping[str, Any], layout: Layout) -> bool:
+def _holds_njts(features: Mapping[str, Any], keys: Sequence[str]) -> bool:
     """Whether a dict's features are jagged nested tensors (or weighted ``{"values",
     "weights"}`` dicts of them) rather than JaggedTensors; a mix raises."""
-    read = [f for f in layout.features if f in features]
+    read = [f for f in keys if f in features]
     njt = [f for f in read if is_njt(features[f]) or isinstance(features[f], Mapping)]
     if njt and len(njt) != len(read):
         other = [f for f in read if f not in njt]
@@ -75,12 +80,14 @@ def _holds_njts(features: Mapping[str, Any], layout: Layout) -> bool:
     return bool(njt)
 
 
-def _from_jt_dict(features: Mapping[str, Any], layout: Layout, weighted: bool) -> KeyedJaggedTensor:
-    """The KJT built directly in lookup order (one ``cat`` each, no gather afterwards)."""
-    missing = [f for f in layout.features if f not in features]
+def _from_jt_dict(
+    features: Mapping[str, Any], order: Sequence[str], weighted: bool
+) -> KeyedJaggedTensor:
+    """The KJT built directly in ``order`` (one ``cat`` each, no gather afterwards)."""
+    missing = list(dict.fromkeys(f for f in order if f not in features))
     if missing:
         raise _missing(missing, list(features))
-    order = [layout.members[i].feature for i in layout.group_major()]
+    order = list(order)
     jts = [features[f] for f in order]
     for f, jt in zip(order, jts):
         if not hasattr(jt, "lengths") or not hasattr(jt, "values"):
