@@ -146,6 +146,7 @@ def _signature(x: Any) -> Any:
 # Rows per key of a sparse input: ``(_ROWS, rows)`` in a signature, kept by ``_structure``.
 _ROWS: Any = type("_Rows", (), {"__repr__": lambda self: "rows"})()
 _NJT = torch.nested._internal.nested_tensor.NestedTensor  # a jagged nested tensor's type
+_JAGGED = frozenset({_NJT})
 # How each input type past tensors, sequences and dicts is described (found once per type).
 _INPUT_KINDS: dict[type, Any] = {}
 
@@ -176,7 +177,9 @@ def _input_kind(cls: type) -> Any:
         return _keyed_signature
     if issubclass(cls, (int, float, str, bool, type(None))):
         return _value_signature
-    return _type_signature
+    if issubclass(cls, (nn.Module, types.FunctionType, types.MethodType, type)):
+        return _type_signature  # (a callable passed in: no tensors of the batch's)
+    return _object_signature
 
 
 def _host_int(n: Any) -> Any:
@@ -196,8 +199,15 @@ def _tensordict_signature(x: Any) -> Any:
     store = getattr(x, "_tensordict", None)  # the plain dict behind a TensorDict
     batch = x.batch_size
     if len(batch):  # every entry has these leading rows (per-sample stacks: no entry read)
-        keys = tuple(store) if type(store) is dict else tuple(x.keys())
-        return (type(x).__name__, keys, (_ROWS, tuple(map(_host_int, batch))))
+        rows = (_ROWS, tuple(map(_host_int, batch)))
+        if type(store) is not dict:
+            return (type(x).__name__, tuple(x.keys()), rows)
+        # Dense entries past the batch dims (ids of a fixed length L per sample), as dense
+        # inputs are: rules bake them. Jagged entries by their rows, already in ``rows``.
+        if set(map(type, store.values())) <= _JAGGED:  # (the usual case, tested at C speed)
+            return (type(x).__name__, tuple(store), rows)
+        dense = [_entry_signature(v, len(batch)) for v in store.values() if type(v) is not _NJT]
+        return (type(x).__name__, tuple(store), rows, *dense)
     if type(store) is not dict:
         store = dict(x.items())
     rows = []
@@ -207,6 +217,14 @@ def _tensordict_signature(x: Any) -> Any:
         rows.append(_host_int(v._offsets.shape[0] - 1))
     # one rows tuple, as a TensorDict with a batch size has: they differ by rows alone
     return (type(x).__name__, tuple(store), (_ROWS, tuple(rows)))
+
+
+def _entry_signature(v: Any, batch_dims: int) -> Any:
+    """A TensorDict entry other than a jagged one, its batch dims left out (its TensorDict's
+    rows describe them)."""
+    if type(v) is torch.Tensor:
+        return ("T", v.shape[batch_dims:], v.dtype, v.device, v.requires_grad)
+    return _signature(v)
 
 
 def _combined_signature(x: Any) -> Any:
@@ -248,6 +266,27 @@ def _value_signature(x: Any) -> Any:
 
 def _type_signature(x: Any) -> Any:
     return (type(x).__name__,)
+
+
+def _object_signature(x: Any) -> Any:
+    """Any other object by its attributes: a batch class of the user's (``batch.ids``, read
+    by the trace) is described by the tensors it holds, as a dataclass is by its fields.
+    Python scalars by their type: the trace reads them at run time, and a per-batch counter
+    or name would otherwise make every batch a new signature."""
+    attrs = getattr(x, "__dict__", None)
+    if type(attrs) is not dict:  # (``__slots__``, or a proxy of some kind): its type alone
+        return (type(x).__name__,)
+    try:
+        return (type(x).__name__, *((k, _attribute_signature(v)) for k, v in attrs.items()))
+    except RecursionError:  # an object reachable from its own attributes
+        return (type(x).__name__,)
+
+
+def _attribute_signature(v: Any) -> Any:
+    return type(v).__name__ if type(v) in _SCALARS else _signature(v)
+
+
+_SCALARS = (int, float, str, bool, type(None))
 
 
 @functools.lru_cache(maxsize=8 * MAX_CACHED_SIGNATURES)  # new signatures compare the cache's
@@ -317,6 +356,7 @@ class OptimizedModule(nn.Module):
         self._communicates: set[Any] = set()
         self._overflow: dict[Any, Any] = {}  # mode -> the capture past the signature cache
         self._spilled: dict[Any, Any] = {}  # signatures past the cache -> their shared runner
+        self._spilled_graphs: dict[Any, Any] = {}  # graphs built past the cache, by structure
         self._dynamo_backend: Any = None
         self._assigned: set[str] = set()  # buffers forward reassigns: dynamo reads them per call
         self._follow_modules(list(model.modules()))
@@ -540,6 +580,7 @@ class OptimizedModule(nn.Module):
         self._runners.clear()
         self._overflow.clear()
         self._spilled.clear()
+        self._spilled_graphs.clear()
         self._traced.clear()
 
     def _key(self, args: tuple, kwargs: dict) -> Any:
@@ -651,18 +692,21 @@ class OptimizedModule(nn.Module):
         exporting = torch.compiler.is_exporting()
         full = len(self._runners) >= MAX_CACHED_SIGNATURES
         forced = exporting or mode in self._communicates
-        if loose and (forced or full):
+        shared = self._runners[loose[0]] if loose else None
+        if shared is None and (forced or full):  # one built past the cache, for other sizes
+            shared = self._spilled_graphs.get(_structure(key))
+        if shared is not None and (forced or full):
             # A graph of the same structure runs these inputs too. Reused when the cache is
             # full (once it gave the model's outputs on them), and always when the graph
             # communicates: building runs the graph, whose collectives would then run on
             # this rank only (other ranks' batch sizes differ). And while exporting: the
             # inputs are fake, with symbolic sizes no rule fuses.
-            runner = self._runners[loose[0]]
+            runner = shared
             if forced or self._serves(runner, args, kwargs):
                 if len(self._runners) < MAX_CACHED_SIGNATURES:
                     self._runners[key] = runner
                 return runner
-            full = False  # a graph of its own (the oldest signature makes room), not eager
+            full = False  # a graph of its own, not eager
         if mode in self._communicates and any(k[0] == mode for k in self._runners):
             # Inputs of a new structure (a KJT's keys in another order) on a model whose
             # graphs communicate, maybe on this rank alone: building would run a new graph's
@@ -720,8 +764,14 @@ class OptimizedModule(nn.Module):
             return self._overflow_runner(mode)  # not cached by key: it serves them all
         if runner is None:
             runner = self._checked(self._dynamo_runner(), args, kwargs, example)
-        if len(self._runners) >= MAX_CACHED_SIGNATURES:  # the oldest signature makes room
-            del self._runners[next(iter(self._runners))]
+        if len(self._runners) >= MAX_CACHED_SIGNATURES:
+            # Past the cache: kept with the signatures past it (``_build`` spills it), and
+            # found by its structure for other batch sizes. Not in place of a cached one:
+            # more structures than the cache holds, taking turns, would each be rebuilt.
+            if len(self._spilled_graphs) >= MAX_SPILLED_SIGNATURES:
+                del self._spilled_graphs[next(iter(self._spilled_graphs))]
+            self._spilled_graphs[_structure(key)] = runner
+            return runner
         self._runners[key] = runner
         return runner
 
@@ -1070,7 +1120,7 @@ class OptimizedModule(nn.Module):
         process-local state, and are rebuilt on the first calls after loading."""
         state = super().__getstate__()  # type: ignore[misc]
         state = dict(state)
-        for name in ("_traced", "_runners", "_overflow", "_spilled"):
+        for name in ("_traced", "_runners", "_overflow", "_spilled", "_spilled_graphs"):
             state[name] = {}
         state["_communicates"] = set()
         state["_dynamo_backend"] = None
@@ -1086,6 +1136,7 @@ class OptimizedModule(nn.Module):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         self.__dict__.setdefault("_spilled", {})  # (saved before it existed)
+        self.__dict__.setdefault("_spilled_graphs", {})
         self.__dict__.setdefault("_hook_tables", [])
         self._hook_sizes = []  # (pairs of tables and sizes before)
         self._follow_modules(self._submodules)  # a loaded model's modules are new objects

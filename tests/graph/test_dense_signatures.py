@@ -248,3 +248,97 @@ def test_a_graph_that_baked_a_first_dim_does_not_serve_another() -> None:
     for length in (12, 1, 13):
         _same_step(plain, opt, model, make(length))
     assert any("another batch size disagrees" in n for n in opt.fxrec_report.notes)
+
+
+@pytest.mark.parametrize("family", ["split_cat", "sequence_first"])
+def test_more_structures_than_the_cache_taking_turns_build_each_once(
+    family: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Twelve lengths served in turn (more than the cache holds): a graph built past the cache
+    is kept with the signatures past it, not in place of a cached one, so none is rebuilt;
+    and it serves the other batch sizes of its length."""
+    torch.manual_seed(0)
+    cls, make, _ = _FAMILIES[family]
+    model = cls()
+    plain = copy.deepcopy(model)
+    opt = fxrec.optimize(model, make(4, 1))
+    assert opt.fxrec_report.capture == "symbolic_trace"
+    lengths = range(1, 13)
+    for length in lengths:
+        opt(*make(4, length))
+    builds = _count_builds(monkeypatch)
+    for _ in range(2):
+        for length in lengths:
+            _same_step(plain, opt, model, make(4, length))
+    assert builds == []
+    for length in (10, 12):  # a new batch size of a length first seen past the cache
+        _same_step(plain, opt, model, make(7, length))
+    assert builds == []
+
+
+class _TensorDictIds(nn.Module):
+    """Bags of ids held by a TensorDict with a batch size: ``(B, L)`` dense entries."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embs = nn.ModuleList(nn.Embedding(IDS, D) for _ in range(N))
+
+    def forward(self, td: Any) -> Tensor:
+        return torch.cat([self.embs[i](td[f"f{i}"]).sum(1) for i in range(N)], 1)
+
+
+class _Batch:
+    """A user's batch class (not a dataclass) holding a list of ``(B, L)`` ids."""
+
+    def __init__(self, ids: list[Tensor], step: int) -> None:
+        self.ids = ids
+        self.step = step  # read by nothing the graph bakes: not part of the signature
+
+
+class _BatchIds(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embs = nn.ModuleList(nn.Embedding(IDS, D) for _ in range(N))
+
+    def forward(self, batch: _Batch) -> Tensor:
+        return torch.cat([self.embs[i](batch.ids[i]).sum(1) for i in range(N)], 1)
+
+
+def _td_ids(b: int, length: int) -> tuple[Any, ...]:
+    from tensordict import TensorDict
+
+    ids = {f"f{i}": torch.randint(0, IDS, (b, length)) for i in range(N)}
+    return (TensorDict(ids, batch_size=[b]),)
+
+
+def _batch_ids(b: int, length: int) -> tuple[Any, ...]:
+    return (_Batch([torch.randint(0, IDS, (b, length)) for _ in range(N)], step=b * length),)
+
+
+@pytest.mark.parametrize(
+    ("cls", "make"), [(_TensorDictIds, _td_ids), (_BatchIds, _batch_ids)], ids=["td", "object"]
+)
+def test_dense_sizes_inside_containers_key_graphs(cls: type[nn.Module], make: Callable) -> None:
+    """A TensorDict's dense entries and a batch object's tensors key graphs by their sizes
+    past the batch, as dense arguments do: bags of another length get a graph of their own
+    (they pooled with the example's length, or raised a bare size error at length 1)."""
+    pytest.importorskip("tensordict")
+    torch.manual_seed(0)
+    model = cls()
+    plain = copy.deepcopy(model)
+    opt = fxrec.optimize(model, make(4, 3))
+    assert opt.fxrec_report.capture == "symbolic_trace"
+    assert "parallel_embedding" in {f.rule for f in opt.fxrec_report.firings}
+    for b, length in ((4, 3), (4, 5), (2, 7), (4, 1), (6, 3)):
+        _same_step(plain, opt, model, make(b, length))
+
+
+def test_a_batch_objects_scalars_do_not_key_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A per-batch counter on a batch object is read at run time: batches that differ in it
+    alone share a graph (each would otherwise be a new signature, built past the cache)."""
+    torch.manual_seed(0)
+    opt = fxrec.optimize(_BatchIds(), _batch_ids(4, 3))
+    builds = _count_builds(monkeypatch)
+    for step in range(20):
+        opt(_Batch([torch.randint(0, IDS, (4, 3)) for _ in range(N)], step=step))
+    assert builds == []
