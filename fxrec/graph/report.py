@@ -76,7 +76,8 @@ class Report:
         self.nodes_after += other.nodes_after
         self.passes = max(self.passes, other.passes)
         self.seconds += other.seconds
-        self.notes += other.notes
+        for text in other.notes:  # once each, as ``note`` adds them
+            self.note(text)
 
     def for_copy(self) -> Report:
         """The report of a copy (deepcopy, pickle), whose graphs are rebuilt on its first

@@ -515,3 +515,16 @@ def test_served_calls_read_the_tensors_functional_call_gives() -> None:
         got = torch.func.functional_call(opt, {f"model.{n}": t for n, t in given.items()}, (x,))
         torch.testing.assert_close(got, want)
         _same(plain, opt, x)  # and the model's own parameters after
+
+
+def test_a_merged_report_keeps_each_note_once() -> None:
+    """Graphs of many signatures (dynamo's frames, copies per size) report the same situation:
+    the model's report says it once, as ``note`` does."""
+    total = Report()
+    total.note("a")
+    for _ in range(3):
+        part = Report()
+        part.note("a")
+        part.note("b")
+        total.merge(part)
+    assert total.notes == ["a", "b"]
