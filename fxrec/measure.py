@@ -35,6 +35,7 @@ _FREE_OPS = {
     "aten::_has_compatible_shallow_copy_type",
     "aten::set_",
     "aten::resize_",
+    "aten::_unsafe_view",  # a view without autograd's view tracking (``reshape`` after a copy)
 }
 
 

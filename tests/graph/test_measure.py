@@ -49,3 +49,12 @@ def test_module_counts_a_fresh_step_and_keeps_its_grads() -> None:
     assert again.backward_ops == first.backward_ops
     assert "aten::add_" not in again.backward_ops
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+
+
+def test_metadata_only_views_after_a_copy_are_not_kernels() -> None:
+    """``reshape`` of a tensor that cannot be viewed copies once (``clone``) and then views the
+    copy with ``_unsafe_view`` (metadata only): one kernel."""
+    x = torch.randn(8, 4)
+    kc = fxrec.count_kernels(lambda t: t.t().reshape(-1), x, backward=False)
+    assert kc.forward_ops == {"aten::clone": 1}
+    assert kc.forward == 1

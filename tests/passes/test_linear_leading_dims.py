@@ -107,11 +107,10 @@ def test_field_bilinear_kernel_counts() -> None:
     plain = fxrec.count_kernels(model, x)
     opt = fxrec.optimize(model, (x,), rules=BATCHED)
     fused = fxrec.count_kernels(opt, x)
-    assert (plain.forward, plain.backward) == (229, 780)
+    assert (plain.forward, plain.backward) == (210, 780)
     assert (fused.forward, fused.backward) == (192, 733)
-    assert plain.forward_ops == {
+    assert plain.forward_ops == {  # (each mm's ``_unsafe_view`` of its rows: metadata only)
         "aten::mm": 19,
-        "aten::_unsafe_view": 19,
         "aten::mul": 190,
         "aten::cat": 1,
     }
