@@ -45,7 +45,9 @@ class Heads(nn.Module):
         return torch.cat([h(p.relu()) for h, p in zip(self.heads, parts)], 1)
 
 
-def _same_training(rank: int, world: int, build: type[nn.Module], rule: str, members: set[str]) -> None:
+def _same_training(
+    rank: int, world: int, build: type[nn.Module], rule: str, members: set[str]
+) -> None:
     torch.manual_seed(0)  # the same model on every rank
     model = build()
     ref = copy.deepcopy(model)
@@ -110,7 +112,9 @@ def _tables_stay_each_ranks_own(rank: int, world: int, wrap: str) -> None:
     def build() -> nn.Module:
         torch.manual_seed(0)
         tables = [
-            EmbeddingBagConfig(num_embeddings=10, embedding_dim=4, name=f"t{i}", feature_names=[f"f{i}"])
+            EmbeddingBagConfig(
+                num_embeddings=10, embedding_dim=4, name=f"t{i}", feature_names=[f"f{i}"]
+            )
             for i in range(2)
         ]
         return ShardedRanker(shard(EmbeddingBagCollection(tables=tables)))
