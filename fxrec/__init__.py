@@ -24,6 +24,7 @@ _EXPORTS = {
     "KernelCount": "fxrec.measure",
     "compile_backend": "fxrec.compile.backend",
     "inductor_pass": "fxrec.compile.inductor",
+    "combine_inputs": "fxrec.passes.combine_inputs",
     # sparse types
     "JaggedTensor": "fxrec.sparse",
     "KeyedJaggedTensor": "fxrec.sparse",
@@ -33,10 +34,15 @@ _EXPORTS = {
     "EmbeddingBagCollection": "fxrec.nn",
 }
 
+# Subpackages, reachable as attributes once ``import fxrec`` ran (``fxrec.distributed.shard``).
+_SUBPACKAGES = ("bench", "compile", "distributed", "graph", "nn", "passes", "sparse", "train")
+
 __all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:
+    if name in _SUBPACKAGES:
+        return importlib.import_module(f"fxrec.{name}")  # (sets the attribute itself)
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'fxrec' has no attribute {name!r}")
@@ -46,4 +52,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+    return sorted(set(globals()) | set(_EXPORTS) | set(_SUBPACKAGES))

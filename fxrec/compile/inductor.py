@@ -144,8 +144,12 @@ def inductor_pass(rules: RuleSpec = None, *, exclude: Iterable[str] = ()) -> Fxr
 
     Example::
 
-        with torch._inductor.config.patch(pre_grad_custom_pass=fxrec.inductor_pass()):
-            compiled = torch.compile(model)
+        torch._inductor.config.pre_grad_custom_pass = fxrec.inductor_pass()
+        compiled = torch.compile(model)
+
+    The pass runs when Inductor compiles, on the first call (and on recompiles): a
+    ``config.patch`` context around ``torch.compile`` alone is gone by then; put the
+    first call inside it, or set the config as above.
 
     ``rules`` picks rules by name, class or instance (default: every registered rule);
     ``exclude`` drops rules by name. ``.report`` accumulates what each graph got.

@@ -2091,12 +2091,14 @@ def _as_args(model: nn.Module, example: Any) -> tuple:
     except (TypeError, ValueError):  # no signature to read: one argument it is
         return (example,)
     required = [p for p in params if p.default is p.empty]
-    if isinstance(example, (list, dict)) and len(required) > 1:
+    if len(required) > 1:
         names = ", ".join(p.name for p in params)
+        batch = hasattr(example, "dense") and hasattr(example, "sparse")
+        hint = " (a train Batch: (batch.dense, batch.sparse), as the pipelines call it)"
         raise TypeError(
             f"fxrec.optimize: example_inputs is a {type(example).__name__}, but "
             f"{type(model).__name__}.forward({names}) takes {len(required)} arguments; pass "
-            "them as a tuple (forward's positional arguments, in order)."
+            f"them as a tuple (forward's positional arguments, in order){hint if batch else ''}."
         )
     return (example,)
 

@@ -296,6 +296,16 @@ def test_bad_model_or_example_inputs_are_clear_errors() -> None:
     with pytest.raises(TypeError, match=r"forward\(x0, x1, x2\) takes 3 arguments; pass them"):
         fxrec.optimize(Scales(), list(_inputs()))  # type: ignore[arg-type]
 
+    class DenseSparse(nn.Module):
+        def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
+            return dense + sparse
+
+    from fxrec.train import Batch
+
+    batch = Batch(torch.randn(2, 3), torch.randn(2, 3), torch.randn(2))
+    with pytest.raises(TypeError, match=r"a train Batch: \(batch\.dense, batch\.sparse\)"):
+        fxrec.optimize(DenseSparse(), batch)  # type: ignore[arg-type]
+
     class OneList(nn.Module):
         def forward(self, xs: list[torch.Tensor]) -> torch.Tensor:
             return torch.stack(xs).tanh()
