@@ -22,6 +22,16 @@ What the rewritten graph starts with:
   Per-sample TensorDicts lazily stacked are read as the collections read them: a sample's
   1-D integer tensor is a feature's ids (equal in number across samples or not), a
   ``{"values", "weights"}`` sub-TensorDict a weighted feature, other entries dense.
+* a TensorDict mixing weighted and unweighted features (the layout the collections read:
+  each reads its own) is packed as its unweighted features, then its weighted ones (one
+  conversion each), and the combined features carry weights for every feature: ones for the
+  unweighted ones, so still one weights tensor (3 copies). The KJT handed to fxrec's
+  collections carries those ones, which an unweighted collection never reads; a rebuilt
+  TensorDict (and ``packer.unpack``) gives the unweighted features back as plain jagged
+  tensors, in the TensorDict's own order. (A weighted collection reading an unweighted
+  feature, which the model itself refuses, would read weights of 1 from that KJT.) A KJT
+  has weights for every key or none, so the question does not arise for KJT arguments:
+  give a weighted collection its own KJT, as TorchRec's models do.
 
 Order of use: ``new, packer = combine_inputs(model, args)``, then ``fxrec.optimize(new,
 packer(*args))`` (the rebuilt arguments are tracing leaves, so the graph rules see the same
@@ -80,6 +90,13 @@ class _Slot:
     dense_keys: tuple[str, ...] = ()  # a TensorDict's dense entries, carried as dense arguments
     order: tuple[str, ...] = ()  # a TensorDict's entries, in its own order
     td_form: tuple[int, bool] = (1, True)  # a TensorDict's batch dims, and whether it has a device
+    # a TensorDict mixing weighted and unweighted features: its unweighted keys, then its
+    # weighted ones (``keys`` in that order), each read with one conversion; () otherwise
+    groups: tuple[tuple[str, ...], ...] = ()
+
+    def key_groups(self) -> tuple[tuple[str, ...], ...]:
+        """The keys the packer reads with one conversion each."""
+        return self.groups or (self.keys,)
 
 
 # -- host side -----------------------------------------------------------------------------
@@ -191,9 +208,10 @@ def _kjts_of(part: _Loose) -> list[KeyedJaggedTensor]:
 
 def _chunk_of(
     slot: _Slot, args: Sequence[Any]
-) -> KeyedJaggedTensor | JaggedParts | list[KeyedJaggedTensor]:
+) -> KeyedJaggedTensor | list[JaggedParts] | list[KeyedJaggedTensor]:
     """The slot's features as KJT(s), zero-copy for a KJT argument; a TensorDict's as its
-    :class:`~fxrec.sparse.tensordict_interop.JaggedParts`, copied once, by the packer."""
+    :class:`~fxrec.sparse.tensordict_interop.JaggedParts` (one per key group), copied once,
+    by the packer."""
     if slot.kind in _PER_FEATURE:
         return _kjts_of(_loose_of(slot, args))
     if slot.kind in (_KJT, _TR_KJT):
@@ -214,7 +232,26 @@ def _chunk_of(
         raise ValueError(
             f"argument {slot.positions[0]} must be a TensorDict, got {type(td).__name__}."
         )
-    return tensordict_parts(td, slot.keys)
+    return [tensordict_parts(td, keys) for keys in slot.key_groups()]
+
+
+def _td_weighted(td: TensorDictBase, keys: Sequence[str]) -> list[bool]:
+    """Which features of ``td`` are weighted (a ``{"values", "weights"}`` sub-TensorDict),
+    as the collections read them: per-sample TensorDicts lazily stacked by their first
+    sample's entries."""
+    source = td
+    if isinstance(td, LazyStackedTensorDict) and td.tensordicts:
+        source = td.tensordicts[0]
+    return [isinstance(source.get(k, None), Mapping) for k in keys]
+
+
+def _weight_groups(keys: Sequence[str], weighted: Sequence[bool]) -> tuple[tuple[str, ...], ...]:
+    """A TensorDict's features as (unweighted, weighted) key groups, each in the TensorDict's
+    order; () when they all agree (one group, in the TensorDict's order)."""
+    if all(weighted) or not any(weighted):
+        return ()
+    plain = tuple(k for k, w in zip(keys, weighted) if not w)
+    return plain, tuple(k for k, w in zip(keys, weighted) if w)
 
 
 def _is_torchrec_kjt(value: Any) -> bool:
@@ -289,16 +326,29 @@ class InputPacker:
             raise ValueError(
                 f"the packer takes the model's {self.num_args} arguments, got {len(args)}."
             )
-        parts = [
-            s.gather(args)
-            if isinstance(s, _TensorRun)
-            else _loose_of(s, args)
-            if s.kind in _PER_FEATURE
-            else _chunk_of(s, args)
-            for s in self._plan
-        ]
+        parts: list[Any] = []
+        for s in self._plan:
+            if isinstance(s, _TensorRun):
+                parts.append(s.gather(args))
+            elif s.kind in _PER_FEATURE:
+                parts.append(_loose_of(s, args))
+            elif s.kind == _TD:
+                parts += self._td_parts(s, args)
+            else:
+                parts.append(_chunk_of(s, args))
         features = self._combine(parts)
         return (*(args[p] for p in self.dense_positions), *self._td_entries(args), features)
+
+    def _td_parts(self, slot: _Slot, args: Sequence[Any]) -> list[JaggedParts]:
+        """A TensorDict's features, one part per key group; a refused batch whose features
+        are weighted otherwise than the example's is refused saying which feature differs."""
+        try:
+            return _chunk_of(slot, args)  # type: ignore[return-value]
+        except ValueError:
+            td = args[slot.positions[0]]
+            if isinstance(td, TensorDictBase):
+                self._check_weighted(slot.keys, _td_weighted(td, slot.keys), slot.start)
+            raise
 
     def _combine(self, parts: list[Any]) -> CombinedFeatures:
         """One values, lengths (and weights) tensor for all parts, in order; per-feature
@@ -491,7 +541,9 @@ class InputPacker:
             elif s.kind == _TD:
                 kjt = _kjt_slice(cf, s.start, len(s.keys), mine)
                 mine_dense = [next(entries) for _ in s.dense_keys]
-                out[s.positions[0]] = _rebuild_td(kjt, s.dense_keys, s.order, mine_dense, s.td_form)
+                out[s.positions[0]] = _rebuild_td(
+                    kjt, s.dense_keys, s.order, mine_dense, s.td_form, mine
+                )
             elif s.kind == _JT_DICT:
                 out[s.positions[0]] = {k: jts[s.start + j] for j, k in enumerate(s.keys)}
             elif s.kind == _JT:
@@ -610,14 +662,20 @@ def _rebuild_td(
     order: Sequence[str],
     dense: Sequence[torch.Tensor],
     form: tuple[int, bool],
+    weighted: Sequence[bool],
 ) -> Any:
     """The TensorDict of ``kjt``'s features and the ``dense`` entries, in its own order, with
     the example TensorDict's batch dims and device-or-none (``form``): model code may read
     ``td.shape``, ``td.numel()`` or ``td.device`` (a TensorDict built without ``batch_size``
-    has none, while one built from the features has their batch)."""
+    has none, while one built from the features has their batch). Features the example gave
+    without weights (``weighted``, per key of ``kjt``) are plain jagged tensors again, though
+    the combined features carry weights of ones for them."""
     td = kjt_to_tensordict(kjt)
-    if dense_keys:
+    plain = [k for k, w in zip(kjt.keys(), weighted) if not w] if any(weighted) else []
+    if dense_keys or plain:
         entries = dict(td.items())
+        for k in plain:
+            entries[k] = entries[k]["values"]
         entries.update(zip(dense_keys, dense))
         batch = list(td.batch_size)
         if any(list(t.shape[: len(batch)]) != batch for t in dense):
@@ -670,7 +728,7 @@ class _Rebuild(nn.Module):
                 return to_torchrec(kjt)
             if self.kind == _KJT:
                 return kjt
-            return _rebuild_td(kjt, self.dense_keys, self.order, dense, self.td_form)
+            return _rebuild_td(kjt, self.dense_keys, self.order, dense, self.td_form, self.weighted)
         # JaggedTensor kinds: ``start`` indexes the permute_and_split pieces.
         vals, lens, wts = parts
         n = len(self.keys)
@@ -735,12 +793,18 @@ def _classify(
             if len(dense) == len(order):  # no features: a dense argument
                 slots.append(_Slot(_DENSE, (i,)))
                 continue
-            kjt = kjt_from_tensordict(value, [k for k in order if k not in dense])
+            feats = [k for k in order if k not in dense]
+            flags = _td_weighted(value, feats)
+            groups = _weight_groups(feats, flags)
+            for keys in groups or (feats,):
+                kjt_from_tensordict(value, list(keys))  # checks the example as read
+            keys = tuple(k for g in groups for k in g) if groups else tuple(feats)
+            flag_of = dict(zip(feats, flags))
             form = (value.batch_dims, value.device is not None)
             slots.append(
-                _Slot(_TD, (i,), tuple(kjt.keys()), dense_keys=dense, order=order, td_form=form)
+                _Slot(_TD, (i,), keys, dense_keys=dense, order=order, td_form=form, groups=groups)
             )
-            weighted += [kjt.weights_or_none() is not None] * len(kjt.keys())
+            weighted += [flag_of[k] for k in keys]
         elif isinstance(value, JaggedTensor):
             slots.append(_Slot(_JT, (i,), (str(placeholders[i].target),)))
             weighted.append(value.weights_or_none() is not None)
@@ -817,6 +881,12 @@ def combine_inputs(
         features: for plain tensor arguments, ``{feature: (values_arg, lengths_arg[,
             weights_arg])}`` by ``forward`` argument name (tensors alone do not say which
             ones form a feature).
+
+    The combined features take 2 copies to the device, 3 when any feature is weighted:
+    features without weights (tensors, JaggedTensors, a TensorDict's plain jagged entries
+    beside weighted ones) then carry weights of ones. Arguments are rebuilt with or without
+    weights as the example had them, except the one KJT fxrec's collections receive for a
+    TensorDict mixing both: it carries the ones, which unweighted collections never read.
 
     Returns:
         ``(new_module, packer)`` with ``new_module(*packer(*args)) == model(*args)``, same

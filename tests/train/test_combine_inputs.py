@@ -7,6 +7,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tensordict import TensorDict, TensorDictBase
 from torch import nn
 
 import fxrec
@@ -950,3 +951,196 @@ def test_lazily_stacked_dense_entry_of_other_shapes_is_refused():
     td.tensordicts[1]["dense"] = torch.randn(4, generator=g)
     with pytest.raises(ValueError, match=r"entry 'dense' must be a dense tensor.*same shape"):
         packer(td)
+
+
+class WeightedAndPlainCollections(nn.Module):
+    """An unweighted and a weighted collection reading one TensorDict, each its own features
+    (plain jagged tensors for the first, ``{"values", "weights"}`` sub-TensorDicts for the
+    second). ``reads_td``: the forward also reads the TensorDict itself, so the graph rebuilds
+    a TensorDict rather than handing the collections a KJT."""
+
+    def __init__(self, weighted: list[bool], reads_td: bool) -> None:
+        super().__init__()
+        from fxrec.nn import EmbeddingBagCollection, EmbeddingBagConfig
+
+        def collection(want: bool):  # type: ignore[no-untyped-def]
+            tables = [
+                EmbeddingBagConfig(
+                    name=f"t{i}", num_embeddings=NUM_EMB, embedding_dim=2, feature_names=[f"f{i}"]
+                )
+                for i, w in enumerate(weighted)
+                if w == want
+            ]
+            return EmbeddingBagCollection(tables, is_weighted=want) if tables else None
+
+        self.plain = collection(False)
+        self.weighted = collection(True)
+        self.reads_td = reads_td
+        self.over = nn.Linear(2 + 2 * len(weighted) + int(reads_td), 1)
+
+    def forward(self, dense, td):
+        parts = [dense]
+        for ebc in (self.plain, self.weighted):
+            if ebc is not None:
+                parts.append(ebc(td).values())
+        if self.reads_td:
+            parts.append(_first_rows(td, dense))
+        return self.over(torch.cat(parts, 1))
+
+
+@torch.fx.wrap
+def _first_rows(td, dense):
+    """A column that tells the TensorDict's layout: which features are sub-TensorDicts
+    (weighted) and which plain jagged tensors, and its batch size."""
+    code = sum(2**i for i, k in enumerate(td.keys()) if isinstance(td[k], TensorDictBase))
+    return dense.new_full((dense.shape[0], 1), float(code + td.numel()))
+
+
+def _mixed_td(weighted, batch, max_ids, g):  # type: ignore[no-untyped-def]
+    """The README's layout: a plain NJT per unweighted feature, a ``{"values", "weights"}``
+    sub-TensorDict (NJTs on one offsets tensor) per weighted one."""
+    entries = {}
+    for i, w in enumerate(weighted):
+        lengths = torch.randint(0, max_ids + 1, (batch,), generator=g)
+        offsets = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+        ids = torch.nested.nested_tensor_from_jagged(
+            torch.randint(0, NUM_EMB, (int(lengths.sum()),), generator=g), offsets
+        )
+        if w:
+            wts = torch.nested.nested_tensor_from_jagged(
+                torch.rand(ids.values().numel(), generator=g), offsets
+            )
+            entries[f"f{i}"] = TensorDict({"values": ids, "weights": wts}, batch_size=[batch])
+        else:
+            entries[f"f{i}"] = ids
+    return TensorDict(entries, batch_size=[batch])
+
+
+def _assert_same_layout(got, want):  # type: ignore[no-untyped-def]
+    """Same keys in the same order; each feature plain or weighted as in ``want``, with its
+    ids, rows and weights."""
+    assert list(got.keys()) == list(want.keys()) and got.batch_size == want.batch_size
+    for k in list(want.keys()):  # (iterating a TensorDict gives its rows)
+        a, b = got[k], want[k]
+        assert isinstance(a, TensorDictBase) == isinstance(b, TensorDictBase), k
+        pairs = (
+            [(a["values"], b["values"]), (a["weights"], b["weights"])]
+            if isinstance(b, TensorDictBase)
+            else [(a, b)]
+        )
+        for x, y in pairs:
+            torch.testing.assert_close(x.values(), y.values(), rtol=0, atol=0)
+            torch.testing.assert_close(x.offsets(), y.offsets(), rtol=0, atol=0)
+
+
+@settings(deadline=None, max_examples=30)
+@given(
+    weighted=st.lists(st.booleans(), min_size=1, max_size=5),
+    batch=st.integers(1, 5),
+    other_batch=st.integers(1, 5),
+    max_ids=st.integers(0, 4),
+    reads_td=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_tensordict_of_weighted_and_unweighted_features(
+    weighted, batch, other_batch, max_ids, reads_td, seed
+):
+    # Each collection reads its own features from one TensorDict, as in the plain model; the
+    # combined features carry weights of ones for the unweighted ones (3 copies, or 2 when
+    # none is weighted), which the unweighted collection never reads.
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    model = WeightedAndPlainCollections(weighted, reads_td)
+    td = _mixed_td(weighted, batch, max_ids, g)
+    dense = torch.randn(batch, 2, generator=g)
+    new, packer = combine_inputs(model, (dense, td))
+    assert n_split_nodes(new) == 0
+    new_args = packer(dense, td)
+    cf = new_args[-1]
+    assert transfer_count(cf) == (3 if any(weighted) else 2)
+    assert sorted(cf.keys) == sorted(td.keys())
+    if any(weighted):
+        for k, n, w in zip(cf.keys, cf.length_per_key, torch.split(cf.weights, cf.length_per_key)):
+            if not weighted[int(k[1:])]:
+                assert torch.equal(w, torch.ones(n))
+    check_same(model, new, (dense, td), new_args)
+    _, back = packer.unpack(*new_args)
+    _assert_same_layout(back, td)
+    later = _mixed_td(weighted, other_batch, max_ids, g)
+    dense2 = torch.randn(other_batch, 2, generator=g)
+    check_same(model, new, (dense2, later), packer(dense2, later))
+
+
+def test_a_batch_weighted_otherwise_than_the_example_is_refused_naming_the_feature():
+    g = torch.Generator().manual_seed(7)
+    model = WeightedAndPlainCollections([False, True, False], reads_td=False)
+    dense = torch.randn(3, 2, generator=g)
+    _, packer = combine_inputs(model, (dense, _mixed_td([False, True, False], 3, 2, g)))
+    flipped = _mixed_td([False, True, True], 3, 2, g)
+    with pytest.raises(ValueError, match="feature 'f2' has weights in this batch but had none"):
+        packer(dense, flipped)
+    dropped = _mixed_td([False, False, False], 3, 2, g)
+    with pytest.raises(ValueError, match="feature 'f1' has no weights in this batch but had"):
+        packer(dense, dropped)
+
+
+def _mixed_batches(weighted, n, g):  # type: ignore[no-untyped-def]
+    from fxrec.train import Batch
+
+    out = []
+    for i in range(n):
+        b = 3 + i % 3
+        td = _mixed_td(weighted, b, 3, g)
+        out.append(
+            Batch(
+                torch.randn(b, 2, generator=g), td, torch.randint(0, 2, (b,), generator=g).float()
+            )
+        )
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("pipeline", ["TrainPipelineBase", "TrainPipelineSparseDist"])
+@pytest.mark.parametrize("optimized", [False, True])
+def test_pipelines_train_combined_mixed_tensordicts_like_a_plain_loop(pipeline, optimized):
+    import copy
+
+    from fxrec.train import Batch, TrainPipelineBase, TrainPipelineSparseDist
+
+    cls = {
+        "TrainPipelineBase": TrainPipelineBase,
+        "TrainPipelineSparseDist": TrainPipelineSparseDist,
+    }[pipeline]
+    weighted = [False, True, False, True]
+    g = torch.Generator().manual_seed(8)
+    torch.manual_seed(8)
+    plain = WeightedAndPlainCollections(weighted, reads_td=False)
+    model = copy.deepcopy(plain)
+    batches = _mixed_batches(weighted, 5, g)
+    ref_opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    ref_losses = []
+    for b in batches:
+        ref_opt.zero_grad()
+        loss = nn.functional.binary_cross_entropy_with_logits(
+            plain(b.dense, b.sparse).view(-1), b.labels
+        )
+        loss.backward()
+        ref_opt.step()
+        ref_losses.append(float(loss.detach()))
+
+    new, packer = combine_inputs(model, (batches[0].dense, batches[0].sparse))
+
+    def host_fn(b):  # type: ignore[no-untyped-def]
+        return Batch(b.dense, packer(b.dense, b.sparse)[1], b.labels)
+
+    run: nn.Module = new
+    if optimized:
+        run = fxrec.optimize(new, (batches[0].dense, host_fn(batches[0]).sparse))
+    opt = torch.optim.SGD(run.parameters(), lr=0.1)
+    with cls(run, opt, host_fn=host_fn) as pipe:
+        losses = pipe.run(batches)
+    assert losses == pytest.approx(ref_losses, rel=1e-6, abs=1e-7)
+    want, got = plain.state_dict(), model.state_dict()
+    assert want.keys() == got.keys()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-6, atol=1e-7)
