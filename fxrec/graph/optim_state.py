@@ -48,7 +48,8 @@ def optim_state_dict(opt: Any, optimizer: torch.optim.Optimizer) -> dict[str, An
     plain optimizer over ``opt.model``'s parameters in the same groups would give it.
 
     Loads into such a plain optimizer (``load_state_dict``), or with
-    :func:`load_optim_state_dict` into an optimizer over any layout. A flat parameter's
+    :func:`load_optim_state_dict` into an optimizer over any layout. Its tensors are copies,
+    the state when it was taken, whatever the optimizer does after. A flat parameter's
     per-element state (Adam's moments, momentum) is copied out per member; its scalar state
     (``step``) goes to each member.
     """
@@ -75,7 +76,8 @@ def load_optim_state_dict(
     """Load ``state_dict``, a plain optimizer's (over ``opt.model``'s parameters, each group in
     the order given to :func:`fxrec.param_groups`, else in ``named_parameters()`` order) or
     :func:`optim_state_dict`'s, into ``optimizer`` over ``opt``'s current layout. Groups must match one-to-one, as :func:`fxrec.param_groups`
-    keeps them; members of one flat parameter must agree on scalar state (``step``)."""
+    keeps them; members of one flat parameter must agree on scalar state (``step``). The
+    optimizer gets copies: training it leaves ``state_dict`` as it was, for other loads."""
     plain = _plain_groups(opt, optimizer)
     saved_groups = list(state_dict["param_groups"])
     _check_groups(plain, saved_groups)
@@ -152,12 +154,14 @@ def remember_orders(opt: Any, listed: list[tuple[dict[str, Any], list[torch.Tens
 
 
 def _piece(key: str, value: Any, e: _Entry) -> Any:
-    """``e``'s part of its held tensor's state ``value`` (a copy where it is a slice)."""
-    if e.member is None or not isinstance(value, torch.Tensor):
+    """A copy of ``e``'s part of its held tensor's state ``value``. The optimizer updates its
+    state in place: a state dict sharing it would follow later steps for unfused parameters
+    but not for members (whose slices are copies), a state of no one moment."""
+    if not isinstance(value, torch.Tensor):
         return value
-    if key not in _SCALAR_KEYS and value.dim() and value.shape == e.held.shape:
-        return _member_slice(value, e.how, e.member).clone(memory_format=torch.contiguous_format)
-    return value.clone()
+    if e.member is None or key in _SCALAR_KEYS or not value.dim() or value.shape != e.held.shape:
+        return value.clone()
+    return _member_slice(value, e.how, e.member).clone(memory_format=torch.contiguous_format)
 
 
 def _check_groups(plain: list[list[_Entry]], saved: list[Mapping[str, Any]]) -> None:
@@ -195,7 +199,9 @@ def _assemble(
     """The state of ``p`` (a parameter or a flat parameter) from its members' states."""
     if len(pieces) == 1 and pieces[0][0].member is None:
         st = pieces[0][1]
-        return None if st is None else {k: v for k, v in st.items() if k != LAYOUT_KEY}
+        if st is None:
+            return None
+        return {k: _owned(k, v, p) for k, v in st.items() if k != LAYOUT_KEY}
     states = [st for _, st in pieces]
     if all(st is None for st in states):
         return None
@@ -225,7 +231,19 @@ def _assemble_value(
         return out
     if not all(_equal(first, v) for v in values):
         raise ValueError(_disagree(pieces, f"{key!r}", [_show(v) for v in values]))
-    return first
+    return _owned(key, first, p)
+
+
+def _owned(key: str, value: Any, p: torch.Tensor) -> Any:
+    """A copy of saved state ``value`` for ``p``'s optimizer to update in place. Torch's
+    ``load_state_dict`` keeps the tensors it is given: without the copy, two optimizers
+    loaded from one state dict (a resume and a plain check), or a state taken from a running
+    optimizer, would step the same tensors and drift from the continuing job."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if key in _SCALAR_KEYS:  # torch keeps ``step`` where it was saved
+        return value.clone()
+    return value.to(device=p.device, copy=True)
 
 
 def _equal(a: Any, b: Any) -> bool:

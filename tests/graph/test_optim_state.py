@@ -289,3 +289,56 @@ def test_states_one_flat_parameter_cannot_hold_raise() -> None:
         fxrec.load_optim_state_dict(opt, o, state)
     with pytest.raises(ValueError, match=r"groups of .* fxrec.optim_state_dict"):
         fxrec.load_optim_state_dict(opt, o, ckpt["optim"])  # the flat parameters' own state
+
+
+def _assert_equal_params(got: nn.Module, want: nn.Module) -> None:
+    ref = want.state_dict()
+    differ = [k for k, v in got.state_dict().items() if not torch.equal(v, ref[k])]
+    assert not differ, f"resumed parameters differ from the continuing run's: {differ}"
+
+
+def _fxrec_job(name: str) -> tuple[Rec, nn.Module, torch.optim.Optimizer]:
+    """An fxrec job over a fresh model, trained 3 steps."""
+    torch.manual_seed(0)
+    model, opt, o = _fxrec(Rec().state_dict(), OPTIMIZERS[name])
+    _train(opt, o, range(3), FEATURES)
+    return model, opt, o
+
+
+@pytest.mark.parametrize("name", ["adagrad", "adam"])
+def test_one_checkpoint_resumes_into_several_optimizers_each_continuing_exactly(name: str) -> None:
+    """A checkpoint loaded by an fxrec resume and a plain one in one process: each
+    optimizer trains its own state, neither moves the other's (nor the checkpoint's)."""
+    model, opt, o = _fxrec_job(name)
+    ckpt = _reloaded({"model": opt.state_dict(), "optim": fxrec.optim_state_dict(opt, o)})
+    _train(opt, o, range(3, 6), FEATURES)
+    resumed, opt2, o2 = _fxrec(ckpt["model"], OPTIMIZERS[name])
+    fxrec.load_optim_state_dict(opt2, o2, ckpt["optim"])
+    plain = Rec()
+    plain.load_state_dict(ckpt["model"])
+    o_plain = OPTIMIZERS[name](_groups(plain))
+    o_plain.load_state_dict(ckpt["optim"])
+    for i in range(3, 6):
+        _train(opt2, o2, range(i, i + 1), FEATURES)
+        _train(plain, o_plain, range(i, i + 1), FEATURES)
+    _assert_equal_params(resumed, model)
+    _assert_same_params(plain, model)
+
+
+@pytest.mark.parametrize("name", ["adagrad", "adam"])
+def test_a_state_kept_in_memory_is_the_state_when_it_was_taken(name: str) -> None:
+    """``optim_state_dict`` is a snapshot: steps after it change neither it nor, once it is
+    loaded, the optimizer that took it."""
+    model, opt, o = _fxrec_job(name)
+    ckpt = {
+        "model": {k: v.clone() for k, v in opt.state_dict().items()},
+        "optim": fxrec.optim_state_dict(opt, o),
+    }
+    _train(opt, o, range(3, 6), FEATURES)
+    resumed, opt2, o2 = _fxrec(ckpt["model"], OPTIMIZERS[name])
+    fxrec.load_optim_state_dict(opt2, o2, ckpt["optim"])
+    _train(opt2, o2, range(3, 6), FEATURES)
+    _assert_equal_params(resumed, model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    _train(opt2, o2, range(6, 7), FEATURES)  # the resumed job's step leaves the first alone
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
