@@ -18,7 +18,8 @@ each member's ids are shifted by its table's first row. The fused forward is:
 
 * ids of equal shape, no offsets (``nn.Embedding`` on any shape, ``nn.EmbeddingBag`` on 2-D
   bags): the ids side by side as ``X`` (a view when they are consecutive pieces of one
-  tensor, e.g. the output of fused ``.long()`` casts; else one ``torch.stack``), ONE ``add``
+  tensor, e.g. the output of fused ``.long()`` casts, or evenly spaced columns ``ids[:, i]``
+  of one; else one ``torch.stack``), ONE ``add``
   of a constant per-table offset broadcast over ``X``, ONE lookup, ``unbind`` into members.
   Short fixed-size bags (sum/mean, dense gradients) are pooled as ONE ``index_select`` of
   rows plus one reduction, whose backward is cheaper on CPU (:func:`_gather_pays`);
@@ -26,8 +27,10 @@ each member's ids are shifted by its table's first row. The fused forward is:
   gradients, float32 tables): ONE fbgemm table-batched lookup, whose members may differ in
   bag size (one id, multi-hot). Its output is ``[B, members * dim]``, member-major, so the
   pooled rows come out side by side with no stack, and its CPU backward is ~3x cheaper than
-  torch's (:func:`_tbe_usable`). The ids are the members' ids flattened into one ``cat``,
-  read from before fused ``.long()`` casts when there were any (:func:`_uncast_ids`);
+  torch's (:func:`_tbe_usable`). The ids are the members' ids flattened member after member,
+  read from before fused ``.long()`` casts when there were any (:func:`_uncast_ids`): one
+  copy when they are columns of one tensor, else one ``cat`` (:func:`_member_major`); bags of
+  one length start at one ``arange`` (:func:`_bag_offsets`);
 * 1-D ids with per-member offsets (``EmbeddingBag``): one ``cat`` of ids, one
   ``repeat_interleave`` of each member's table offset and valid id range by its id count
   (read at run time, never baked), one ``add``, bag offsets shifted by each member's start
@@ -41,6 +44,10 @@ member; compiled graphs and other devices assert on the device
 (:func:`fxrec.nn.functional.check_member_ids`). fbgemm's CPU table-batched lookup checks
 each table's ids itself, except where members share a table (a table looked up twice): the
 lookup then checks them first (``pooled_lookup``'s ``rows``).
+
+On CPU, a set of fewer than :data:`MIN_POOLED_MEMBERS` lookups pooled by hand is left as
+written (with the reason in the report): each costs 2 kernels, and the fused form's fixed work
+costs about what 3 do (``FuseParallelLookups._pooled_cost_reason``).
 
 No size taken from the input (batch, number of ids) is baked into the rewritten graph.
 Tables that cannot be laid out once (``keep_params``, graph inputs) would be concatenated
@@ -90,6 +97,15 @@ Ref = Any
 # 104 tables of 20,000 x 16 took 343 / 212 / 267 / 261 / 260 ms (peaks 0.13 / 0.05 / 0.25
 # GiB from 64 MiB on). The benchmark's ranking model (104 x 1,000 x 16, 6.5 MiB) is one set.
 CPU_MAX_TABLE_BYTES = DEFAULT_MAX_GROUP_BYTES
+# Lookups pooled by hand cost 2 kernels each as written (the lookup, the reduction). On CPU
+# their fused form (an ids copy, bag offsets, one grouped lookup, its split) costs about what 3
+# of them do: measured side by side (tables of 50 x 8 and 1,000 x 16, batch 32-512, 1-20 ids per
+# bag, 1 thread), sets of 2 ran 0.7-0.95x the model as written without gradients and 0.8-1.0x
+# in training at batch 32; from 4 members, 1.0-1.5x either way. fbgemm's backward pays for
+# itself in training from about a thousand ids per member (2 tables of batch 256 x 5 ids:
+# 1.2-1.3x; x 20 ids: 1.75x).
+MIN_POOLED_MEMBERS = 4
+MIN_POOLED_TRAINING_IDS = 1024
 # Jagged ids need 9 fixed kernels (forward, the id check's 2 included) against one per
 # member; backward saves N-1: fewer kernels in all from 6 members.
 MIN_JAGGED_MEMBERS = 6
@@ -265,6 +281,13 @@ def _pooled_lookup(node: fx.Node, ctx: RewriteContext) -> Lookup | None:
     return Lookup(True, inner.ids, inner.weight, None, None, mode, inner.sparse, False, inner.plain)
 
 
+def _is_pooling(node: fx.Node) -> bool:
+    """``node`` is a ``sum``/``mean`` (a member the rule matched is then a lookup pooled by hand)."""
+    if node.op == "call_method":
+        return node.target in POOLING_METHODS
+    return node.op == "call_function" and node.target in POOLING_FUNCTIONS
+
+
 def _pooled_by_hand(node: fx.Node, ctx: RewriteContext) -> bool:
     """``node`` is a plain lookup whose one user pools it (that user is the member)."""
     return len(node.users) == 1 and _pooled_lookup(next(iter(node.users)), ctx) is not None
@@ -368,8 +391,119 @@ class _Side:
     order: list[int]
 
 
+@dataclass(frozen=True)
+class _Column:
+    """A node equal to ``base.select(dim, index)`` (``ids[:, i]``, ``unbind(ids, 1)[i]``)."""
+
+    base: fx.Node
+    dim: int
+    index: int
+
+
+FULL = slice(None, None, None)
+
+
+def _column_of(node: fx.Node) -> _Column | None:
+    """``node`` as a :class:`_Column` of a tensor of static size along the selected dim."""
+    p = piece_of(node)
+    if p is not None:
+        return _Column(p.base, p.dim, p.start) if p.squeezed else None
+    if node.op == "call_function" and node.target is operator.getitem and len(node.args) == 2:
+        base, idx = node.args
+        found = _selected_dim(idx if isinstance(idx, tuple) else (idx,))
+    elif (node.op, node.target) in (("call_method", "select"), ("call_function", torch.select)):
+        base = _arg(node, 0, "input")
+        dim, index = _arg(node, 1, "dim"), _arg(node, 2, "index")
+        found = (dim, index) if isinstance(dim, int) and isinstance(index, int) else None
+    else:
+        return None
+    bi = meta.info(base) if isinstance(base, fx.Node) else None
+    if found is None or not isinstance(bi, meta.TensorInfo) or not bi.ndim:
+        return None
+    dim, index = found
+    if not -bi.ndim <= dim < bi.ndim:
+        return None
+    dim %= bi.ndim
+    size = bi.shape[dim]
+    if not isinstance(size, int) or not -size <= index < size:
+        return None
+    return _Column(base, dim, index % size)  # type: ignore[arg-type]
+
+
+def _selected_dim(idx: tuple) -> tuple[int, int] | None:
+    """(dim, index) of an index tuple that selects one int after full slices, else None."""
+    ints = [k for k, i in enumerate(idx) if type(i) is int]
+    if len(ints) != 1 or any(i != FULL for k, i in enumerate(idx) if k != ints[0]):
+        return None
+    return ints[0], idx[ints[0]]
+
+
+def _columns(xs: Sequence[Any]) -> list[_Column] | None:
+    """Each of ``xs`` as a column of one tensor along one dim, else None."""
+    cols = [_column_of(x) if isinstance(x, fx.Node) else None for x in xs]
+    first = cols[0]
+    if first is None or any(
+        c is None or c.base is not first.base or c.dim != first.dim for c in cols
+    ):
+        return None
+    return cols  # type: ignore[return-value]
+
+
+def _step(indices: Sequence[int]) -> int | None:
+    """``k`` when ``indices`` are ``i, i + k, i + 2k, ...`` with ``k >= 1``, else None."""
+    if len(indices) < 2:
+        return 1
+    k = indices[1] - indices[0]
+    ok = k >= 1 and all(b - a == k for a, b in itertools.pairwise(indices))
+    return k if ok else None
+
+
+def _strided_columns(ctx: RewriteContext, cols: Sequence[_Column]) -> fx.Node | None:
+    """A view of the columns' base holding them in order at their dim (a strided slice), or
+    None when their indices are not evenly spaced upwards."""
+    indices = [c.index for c in cols]
+    step = _step(indices)
+    if step is None:
+        return None
+    base, d = cols[0].base, cols[0].dim
+    size = meta.info(base).shape[d]  # type: ignore[union-attr]
+    stop = indices[-1] + 1
+    if indices[0] == 0 and step == 1 and stop == size:
+        return base
+    return ctx.call(operator.getitem, (base, (FULL,) * d + (slice(indices[0], stop, step),)))
+
+
+def _member_major(ctx: RewriteContext, xs: Sequence[fx.Node]) -> fx.Node:
+    """``cat([x.flatten() for x in xs])`` as one copy when ``xs`` are columns of one tensor:
+    each column of a row-major tensor is strided, so flattening it alone is a copy per member.
+
+    Columns evenly spaced upwards in the members' order are one strided view, moved
+    member-first and reshaped; other columns (out of order, repeated) one ``index_select``.
+    """
+    cols = _columns(xs)
+    if cols is None:
+        return ctx.call(torch.cat, ([ctx.call_method("flatten", (x,)) for x in xs], 0))
+    d = cols[0].dim
+    view = _strided_columns(ctx, cols)
+    if view is not None:
+        if d:
+            view = ctx.call_method("movedim", (view, d, 0))
+        return ctx.call_method("reshape", (view, -1))
+    base = cols[0].base
+    if d:
+        base = ctx.call_method("movedim", (base, d, 0))
+    bi = ctx.info(base)
+    assert bi is not None
+    i64 = meta.TensorInfo.of(torch.empty(0, dtype=torch.int64, device=bi.device))
+    picked = ctx.call(
+        torch.index_select, (base, 0, _offsets_buffer(ctx, [c.index for c in cols], i64))
+    )
+    return ctx.call_method("flatten", (picked,))
+
+
 def _side_by_side(ctx: RewriteContext, xs: Sequence[fx.Node], order: list[int] | None) -> _Side:
-    """A view when ``xs`` are consecutive equal pieces of one tensor, else a ``stack``."""
+    """A view when ``xs`` are consecutive equal pieces of one tensor, or evenly spaced
+    columns of one, else a ``stack``."""
     n = len(xs)
     pieces = [piece_of(x) for x in xs]
     first = pieces[0]
@@ -393,6 +527,12 @@ def _side_by_side(ctx: RewriteContext, xs: Sequence[fx.Node], order: list[int] |
             if not first.squeezed:
                 x = ctx.call_method("unflatten", (x, d, (n, -1)))
             return _Side(x, d, perm)
+    cols = _columns(xs)
+    if cols is not None:
+        perm = sorted(range(n), key=lambda i: cols[i].index)
+        view = _strided_columns(ctx, [cols[i] for i in perm])
+        if view is not None and (order is None or perm == order):
+            return _Side(view, cols[0].dim, perm)
     order = list(range(n)) if order is None else order
     return _Side(ctx.call(torch.stack, ([xs[i] for i in order], 0)), 0, order)
 
@@ -416,6 +556,34 @@ def _offsets_buffer(
     node = ctx.graph.get_attr(name)
     meta.set_info(node, getattr(ctx.gm, name))
     return node
+
+
+def _bag_offsets(
+    ctx: RewriteContext, ids: fx.Node, first: fx.Node, bag_lens: list[int], batch: int
+) -> fx.Node:
+    """Offsets of the bags of member-major ``ids`` (``batch`` bags of ``bag_lens[m]`` ids per
+    member ``m``), computed at run time: the batch (``first``'s dim 0) is never baked in.
+
+    Bags of one length ``L`` start every ``L`` ids: one ``arange``. Mixed lengths are each
+    member's lengths repeated over the batch, then a ``cumsum``.
+    """
+    ii = ctx.info(ids)
+    assert ii is not None
+    n = len(bag_lens)
+    if len(set(bag_lens)) == 1 and bag_lens[0] > 0:
+        total = ctx.graph.call_function(torch.Tensor.size, (ids, 0))
+        end = ctx.graph.call_function(operator.add, (total, 1))
+        kw = {"dtype": ii.dtype, "device": ii.device}
+        node = ctx.call(torch.arange, (0, end, bag_lens[0]), kw, infer=False)
+        meta.set_info(node, torch.empty(n * batch + 1, **kw))  # type: ignore[arg-type]
+        return node
+    b = ctx.graph.call_function(torch.Tensor.size, (first, 0))
+    lens = ctx.call_method("view", (_offsets_buffer(ctx, bag_lens, ii), n, 1))
+    lens = ctx.call_method("expand", (lens, n, b), infer=False)
+    meta.set_info(lens, torch.empty(n, batch, dtype=ii.dtype, device=ii.device))
+    lens = ctx.call_method("reshape", (lens, -1))
+    ends = ctx.call(torch.cumsum, (lens, 0), {"dtype": ii.dtype})
+    return ctx.call(F.pad, (ends, (1, 0)))
 
 
 def _member_name(node: fx.Node, lk: Lookup) -> str:
@@ -603,6 +771,8 @@ class FuseParallelLookups(HorizontalRule):
                 f"repeat_interleave, index_select, id check x2, add, stack, add, lookup), worth "
                 f"it from {MIN_JAGGED_MEMBERS}"
             )
+        if (why := self._pooled_cost_reason(group, lks, ctx)) is not None:
+            return why
         tables, _ = _unique([lk.weight for lk in lks])
         total_rows = sum(param_info(ctx, t).shape[0] for t in tables)  # type: ignore[union-attr]
         ii = ctx.info(lks[0].ids)
@@ -626,6 +796,34 @@ class FuseParallelLookups(HorizontalRule):
             self._fuse_dense(group, lks, ctx)
 
     # -- helpers -----------------------------------------------------------------------------
+    def _pooled_cost_reason(
+        self, group: Sequence[fx.Node], lks: Sequence[Lookup], ctx: RewriteContext
+    ) -> str | None:
+        """Cost rule (CPU): why a small set of lookups pooled by hand runs faster as written.
+
+        Below :data:`MIN_POOLED_MEMBERS` members, only a graph that computes gradients
+        through fbgemm's lookup, with at least :data:`MIN_POOLED_TRAINING_IDS` ids per member,
+        is fused. Other devices always fuse (one kernel launch saved per member), as do sets
+        holding an ``EmbeddingBag``, whose own call costs more than a lookup pooled by hand.
+        """
+        n = len(group)
+        wi = param_info(ctx, lks[0].weight)
+        if n >= MIN_POOLED_MEMBERS or wi is None or wi.device.type != "cpu":
+            return None
+        if not all(_is_pooling(node) for node in group):
+            return None
+        infos = [ctx.info(lk.ids) for lk in lks]
+        ids = min(i.numel() if i is not None else 0 for i in infos)
+        trains = wi.requires_grad and torch.is_grad_enabled()  # graphs are built per grad mode
+        if trains and ids >= MIN_POOLED_TRAINING_IDS and self._tbe(ctx, lks[0], wi, infos[0]):  # type: ignore[arg-type]
+            return None
+        return (
+            f"CPU cost model: {n} lookups pooled by hand cost 2 kernels each as written; fused, "
+            "the ids copy, bag offsets, grouped lookup and split cost about as much as 3, so "
+            f"such sets fuse from {MIN_POOLED_MEMBERS} members (or, computing gradients "
+            f"through fbgemm, from {MIN_POOLED_TRAINING_IDS} ids per member; these have {ids})"
+        )
+
     def _tbe(
         self, ctx: RewriteContext, lk: Lookup, wi: meta.TensorInfo, ii: meta.TensorInfo
     ) -> bool:
@@ -657,6 +855,8 @@ class FuseParallelLookups(HorizontalRule):
     def _fuse_dense(self, group: Sequence[fx.Node], lks: list[Lookup], ctx: RewriteContext) -> None:
         n = len(group)
         ids = _side_by_side(ctx, [lk.ids for lk in lks], None)
+        if lks[0].bag and ids.dim > 1:  # 2-D bags' members after their rows: move them before
+            ids = _Side(ctx.call_method("movedim", (ids.node, ids.dim, 1)), 1, ids.order)
         group = [group[i] for i in ids.order]
         lks = [lks[i] for i in ids.order]
         psw = None
@@ -700,24 +900,17 @@ class FuseParallelLookups(HorizontalRule):
         from fxrec.nn._fbgemm import _distinct_tables, pooled_lookup
 
         n = len(group)
+        srcs = [_uncast_ids(lk.ids, ctx) for lk in lks]
         w, starts = self._table(ctx, lks)
         wi = ctx.info(w)
         assert wi is not None
         rows, dim = wi.shape
-        srcs = [_uncast_ids(lk.ids, ctx) for lk in lks]
-        ids = ctx.call(torch.cat, ([ctx.call_method("flatten", (x,)) for x in srcs], 0))
+        ids = _member_major(ctx, srcs)
         ii = ctx.info(ids)
         assert ii is not None
         bag_lens = [ctx.info(lk.ids).shape[1] for lk in lks]  # type: ignore[union-attr]
         batch = ctx.info(lks[0].ids).shape[0]  # type: ignore[union-attr]
-        # Bag offsets at run time (the batch is never baked in): lengths member-major, cumsum.
-        b = ctx.graph.call_function(torch.Tensor.size, (srcs[0], 0))
-        lens = ctx.call_method("view", (_offsets_buffer(ctx, bag_lens, ii), n, 1))
-        lens = ctx.call_method("expand", (lens, n, b), infer=False)
-        meta.set_info(lens, torch.empty(n, batch, dtype=ii.dtype, device=ii.device))
-        lens = ctx.call_method("reshape", (lens, -1))
-        ends = ctx.call(torch.cumsum, (lens, 0), {"dtype": ii.dtype})
-        offsets = ctx.call(F.pad, (ends, (1, 0)))
+        offsets = _bag_offsets(ctx, ids, srcs[0], bag_lens, batch)
         i64 = meta.TensorInfo.of(torch.empty(0, dtype=torch.int64, device=ii.device))
         member_rows = _rows(ctx, lks)
         shared = None  # a table looked up twice: the op's own id check cannot see its rows
@@ -725,10 +918,7 @@ class FuseParallelLookups(HorizontalRule):
             shared = _offsets_buffer(ctx, member_rows, i64)
         psw = None
         if lks[0].per_sample_weights is not None:
-            psw = ctx.call(
-                torch.cat,
-                ([ctx.call_method("flatten", (lk.per_sample_weights,)) for lk in lks], 0),
-            )
+            psw = _member_major(ctx, [lk.per_sample_weights for lk in lks])  # type: ignore[misc]
         y = ctx.call(
             pooled_lookup,
             (
