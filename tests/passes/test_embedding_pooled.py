@@ -56,8 +56,8 @@ class Separate(nn.Module):
         return torch.cat([_pool(t(x), m) for t, x, m in zip(self.t, ids, self.modes)], 1)
 
 
-def repro(n: int = 4, mode: str | None = None) -> Columns:
-    """The tester's model: tables of 50 x 8, mean and sum alternately (or all ``mode``)."""
+def small_model(n: int = 4, mode: str | None = None) -> Columns:
+    """A small model: tables of 50 x 8, mean and sum alternately (or all ``mode``)."""
     modes = [mode or ("sum" if i % 2 else "mean") for i in range(n)]
     return Columns(modes, list(range(n)))
 
@@ -75,9 +75,9 @@ def _counts(module: nn.Module, *xs: Any) -> tuple[int, int]:
 
 
 def test_small_sets_at_a_small_batch_are_left_as_written_with_the_reason() -> None:
-    """The tester's model at batch 32: two sets of 2 (mean, sum) each cost more fused than as
+    """The small model at batch 32: two sets of 2 (mean, sum) each cost more fused than as
     written (fused, 15 forward kernels against 9, and a training step ran ~0.8x)."""
-    opt = check_equivalent(repro, _column_ids(4, 5), batches=(32, 7))
+    opt = check_equivalent(small_model, _column_ids(4, 5), batches=(32, 7))
     assert fired(opt, "parallel_embedding") == 0
     reasons = refusals(opt, "parallel_embedding")
     assert len(reasons) == 2
@@ -85,25 +85,25 @@ def test_small_sets_at_a_small_batch_are_left_as_written_with_the_reason() -> No
         assert why.startswith("CPU cost model: 2 lookups pooled by hand")
         assert f"from {MIN_POOLED_MEMBERS} members" in why
     (ids,) = _column_ids(4, 5)(32)
-    assert _counts(opt, ids) == _counts(repro(), ids) == (9, 7)
+    assert _counts(opt, ids) == _counts(small_model(), ids) == (9, 7)
 
 
 @needs_fbgemm
-def test_the_repro_trains_fused_where_fbgemm_pays_and_runs_as_written_without_gradients() -> None:
+def test_the_small_model_trains_fused_where_fbgemm_pays_and_runs_as_written_without_gradients() -> None:
     """Batch 256 x 5 ids per member (past :data:`MIN_POOLED_TRAINING_IDS`): training graphs
     fuse each set of 2 into one table-batched lookup, graphs without gradients do not."""
     assert MIN_POOLED_TRAINING_IDS <= 256 * 5
-    opt = check_equivalent(repro, _column_ids(4, 5), batches=(256, 300))
+    opt = check_equivalent(small_model, _column_ids(4, 5), batches=(256, 300))
     assert fired(opt, "parallel_embedding") == 2
     (ids,) = _column_ids(4, 5)(256)
     # per set: one copy of its two columns (ids[:, 0::2], ids[:, 1::2]), one arange of bag
     # offsets, one lookup; then the model's cat. Backward: one per set, the cat's, the seed.
     assert _counts(opt, ids) == (7, 5)
-    assert _counts(repro(), ids) == (9, 7)
+    assert _counts(small_model(), ids) == (9, 7)
     ops = fxrec.count_kernels(opt, ids).forward_ops
     assert ops == {"aten::clone": 2, "aten::arange": 2, LOOKUP: 2, "aten::cat": 1}
 
-    ref = repro()
+    ref = small_model()
     model = fxrec.optimize(copy.deepcopy(ref), (ids,))
     with torch.no_grad():
         torch.testing.assert_close(model(ids), ref(ids))
@@ -114,19 +114,19 @@ def test_the_repro_trains_fused_where_fbgemm_pays_and_runs_as_written_without_gr
 @needs_fbgemm
 @pytest.mark.parametrize("mode", ["sum", "mean"])
 def test_four_columns_are_one_copy_one_arange_and_one_lookup(mode: str) -> None:
-    opt = check_equivalent(lambda: repro(4, mode), _column_ids(4, 5), batches=(32, 7))
+    opt = check_equivalent(lambda: small_model(4, mode), _column_ids(4, 5), batches=(32, 7))
     assert fired(opt, "parallel_embedding") == 1
     (ids,) = _column_ids(4, 5)(32)
     # The four columns are the whole ids tensor, moved member-first (one copy); the model's
     # cat of the pooled rows is a view of the lookup's member-major output.
     assert forward_ops(opt, ids) == {"aten::clone": 1, "aten::arange": 1, LOOKUP: 1}
     assert _counts(opt, ids) == (3, 2)
-    assert _counts(repro(4, mode), ids) == (9, 5 if mode == "sum" else 9)  # mean: a div each
+    assert _counts(small_model(4, mode), ids) == (9, 5 if mode == "sum" else 9)  # mean: a div each
 
 
 @pytest.mark.parametrize("mode", ["sum", "mean"])
 def test_four_columns_with_torch_ops_are_read_in_place(mode: str) -> None:
-    opt = check_equivalent(lambda: repro(4, mode), _column_ids(4, 5), rules=RULES)
+    opt = check_equivalent(lambda: small_model(4, mode), _column_ids(4, 5), rules=RULES)
     assert fired(opt, "parallel_embedding") == 1
     (ids,) = _column_ids(4, 5)(4)
     # no stack: the columns are a view of the ids; the add of table offsets is their one copy
