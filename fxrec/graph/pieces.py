@@ -21,6 +21,9 @@ from fxrec.graph import meta
 __all__ = [
     "Piece",
     "piece_of",
+    "Column",
+    "column_of",
+    "columns_of",
     "contiguous_range",
     "piece_runs",
     "SPLIT_FUNCTIONS",
@@ -246,3 +249,64 @@ def piece_runs(nodes: Sequence[fx.Node]) -> list[list[int]]:
             runs[-1].append(i)
             end = p.start + p.length
     return sorted(runs, key=lambda run: run[0])
+
+
+# -- columns: ``x[:, i]``, ``x.select(d, i)`` and unbind pieces ----------------------------
+
+
+@dataclass(frozen=True)
+class Column:
+    """A node equal to ``base.select(dim, index)`` (``ids[:, i]``, ``unbind(ids, 1)[i]``)."""
+
+    base: fx.Node
+    dim: int
+    index: int
+
+
+FULL = slice(None, None, None)  # ``x[:, i]``'s full slices
+
+
+def column_of(node: fx.Node) -> Column | None:
+    """``node`` as a :class:`Column` of a tensor of static size along the selected dim."""
+    p = piece_of(node)
+    if p is not None:
+        return Column(p.base, p.dim, p.start) if p.squeezed else None
+    if node.op == "call_function" and node.target is operator.getitem and len(node.args) == 2:
+        base, idx = node.args
+        found = _selected_dim(idx if isinstance(idx, tuple) else (idx,))
+    elif (node.op, node.target) in (("call_method", "select"), ("call_function", torch.select)):
+        base = _arg(node, 0, "input")
+        dim, index = _arg(node, 1, "dim"), _arg(node, 2, "index")
+        found = (dim, index) if isinstance(dim, int) and isinstance(index, int) else None
+    else:
+        return None
+    bi = meta.info(base) if isinstance(base, fx.Node) else None
+    if found is None or not isinstance(bi, meta.TensorInfo) or not bi.ndim:
+        return None
+    dim, index = found
+    if not -bi.ndim <= dim < bi.ndim:
+        return None
+    dim %= bi.ndim
+    size = bi.shape[dim]
+    if not isinstance(size, int) or not -size <= index < size:
+        return None
+    return Column(base, dim, index % size)  # type: ignore[arg-type]
+
+
+def _selected_dim(idx: tuple) -> tuple[int, int] | None:
+    """(dim, index) of an index tuple that selects one int after full slices, else None."""
+    ints = [k for k, i in enumerate(idx) if type(i) is int]
+    if len(ints) != 1 or any(i != FULL for k, i in enumerate(idx) if k != ints[0]):
+        return None
+    return ints[0], idx[ints[0]]
+
+
+def columns_of(xs: Sequence[Any]) -> list[Column] | None:
+    """Each of ``xs`` as a column of one tensor along one dim, else None."""
+    cols = [column_of(x) if isinstance(x, fx.Node) else None for x in xs]
+    first = cols[0]
+    if first is None or any(
+        c is None or c.base is not first.base or c.dim != first.dim for c in cols
+    ):
+        return None
+    return cols  # type: ignore[return-value]

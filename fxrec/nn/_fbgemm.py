@@ -40,7 +40,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from fxrec.nn.checks import assert_id_ranges, check_id_ranges
-from fxrec.nn.functional import embedding_bag_grouped, out_of_range_error
+from fxrec.nn.functional import embedding_bag_grouped, out_of_range_error, shift_ids
 from fxrec.nn.layout import Member
 from fxrec.sparse.validation import read_ints, segment_sums, validation_enabled
 
@@ -402,10 +402,9 @@ def _lookup_in_torch(
     bags = offsets.numel() - 1
     batch = bags // members
     ids, offsets = ids.long(), offsets.long()
-    if any(r != 0 for r in row_offsets):
+    if batch and any(r != 0 for r in row_offsets):  # each member's ids: between its bags' ends
         starts = torch.tensor(list(row_offsets), dtype=torch.long, device=ids.device)
-        per_bag = starts.repeat_interleave(batch, output_size=bags)
-        ids = ids + per_bag.repeat_interleave(offsets[1:] - offsets[:-1], output_size=ids.numel())
+        ids = shift_ids(ids, starts, offsets[::batch].diff())
     pooled = embedding_bag_grouped(
         weight, ids, offsets, mode, per_sample_weights, include_last_offset=True
     )

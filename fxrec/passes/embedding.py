@@ -73,7 +73,7 @@ from torch import nn
 
 from fxrec.graph import meta
 from fxrec.graph.effects import member_refusal
-from fxrec.graph.pieces import piece_of, split_sizes
+from fxrec.graph.pieces import FULL, Column, columns_of, piece_of, split_sizes
 from fxrec.graph.refs import combined, gather_cost_reason, param_info
 from fxrec.graph.rule import HorizontalRule, RewriteContext, register
 from fxrec.nn.functional import check_jagged_ids, check_member_ids
@@ -391,64 +391,6 @@ class _Side:
     order: list[int]
 
 
-@dataclass(frozen=True)
-class _Column:
-    """A node equal to ``base.select(dim, index)`` (``ids[:, i]``, ``unbind(ids, 1)[i]``)."""
-
-    base: fx.Node
-    dim: int
-    index: int
-
-
-FULL = slice(None, None, None)
-
-
-def _column_of(node: fx.Node) -> _Column | None:
-    """``node`` as a :class:`_Column` of a tensor of static size along the selected dim."""
-    p = piece_of(node)
-    if p is not None:
-        return _Column(p.base, p.dim, p.start) if p.squeezed else None
-    if node.op == "call_function" and node.target is operator.getitem and len(node.args) == 2:
-        base, idx = node.args
-        found = _selected_dim(idx if isinstance(idx, tuple) else (idx,))
-    elif (node.op, node.target) in (("call_method", "select"), ("call_function", torch.select)):
-        base = _arg(node, 0, "input")
-        dim, index = _arg(node, 1, "dim"), _arg(node, 2, "index")
-        found = (dim, index) if isinstance(dim, int) and isinstance(index, int) else None
-    else:
-        return None
-    bi = meta.info(base) if isinstance(base, fx.Node) else None
-    if found is None or not isinstance(bi, meta.TensorInfo) or not bi.ndim:
-        return None
-    dim, index = found
-    if not -bi.ndim <= dim < bi.ndim:
-        return None
-    dim %= bi.ndim
-    size = bi.shape[dim]
-    if not isinstance(size, int) or not -size <= index < size:
-        return None
-    return _Column(base, dim, index % size)  # type: ignore[arg-type]
-
-
-def _selected_dim(idx: tuple) -> tuple[int, int] | None:
-    """(dim, index) of an index tuple that selects one int after full slices, else None."""
-    ints = [k for k, i in enumerate(idx) if type(i) is int]
-    if len(ints) != 1 or any(i != FULL for k, i in enumerate(idx) if k != ints[0]):
-        return None
-    return ints[0], idx[ints[0]]
-
-
-def _columns(xs: Sequence[Any]) -> list[_Column] | None:
-    """Each of ``xs`` as a column of one tensor along one dim, else None."""
-    cols = [_column_of(x) if isinstance(x, fx.Node) else None for x in xs]
-    first = cols[0]
-    if first is None or any(
-        c is None or c.base is not first.base or c.dim != first.dim for c in cols
-    ):
-        return None
-    return cols  # type: ignore[return-value]
-
-
 def _step(indices: Sequence[int]) -> int | None:
     """``k`` when ``indices`` are ``i, i + k, i + 2k, ...`` with ``k >= 1``, else None."""
     if len(indices) < 2:
@@ -458,7 +400,7 @@ def _step(indices: Sequence[int]) -> int | None:
     return k if ok else None
 
 
-def _strided_columns(ctx: RewriteContext, cols: Sequence[_Column]) -> fx.Node | None:
+def _strided_columns(ctx: RewriteContext, cols: Sequence[Column]) -> fx.Node | None:
     """A view of the columns' base holding them in order at their dim (a strided slice), or
     None when their indices are not evenly spaced upwards."""
     indices = [c.index for c in cols]
@@ -480,7 +422,7 @@ def _member_major(ctx: RewriteContext, xs: Sequence[fx.Node]) -> fx.Node:
     Columns evenly spaced upwards in the members' order are one strided view, moved
     member-first and reshaped; other columns (out of order, repeated) one ``index_select``.
     """
-    cols = _columns(xs)
+    cols = columns_of(xs)
     if cols is None:
         return ctx.call(torch.cat, ([ctx.call_method("flatten", (x,)) for x in xs], 0))
     d = cols[0].dim
@@ -527,7 +469,7 @@ def _side_by_side(ctx: RewriteContext, xs: Sequence[fx.Node], order: list[int] |
             if not first.squeezed:
                 x = ctx.call_method("unflatten", (x, d, (n, -1)))
             return _Side(x, d, perm)
-    cols = _columns(xs)
+    cols = columns_of(xs)
     if cols is not None:
         perm = sorted(range(n), key=lambda i: cols[i].index)
         view = _strided_columns(ctx, [cols[i] for i in perm])
