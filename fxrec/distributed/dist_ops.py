@@ -8,8 +8,9 @@ traced model shows every all-to-all as a request node and a wait node, and the o
 Ids (input dist): split sizes depend on the data, so every rank first tells each owner how
 many ids and rows it will send: :func:`request_counts` (asynchronous ``all_to_all_single``
 of a small counts tensor) and :func:`wait_counts`. :func:`send_ids` then starts the ids,
-lengths and weights (``async_op=True``, returning a :class:`IdsHandle` that holds the
-``Work`` objects) and :func:`wait_ids` waits for them. The chain request -> wait -> request
+lengths and weights, packed side by side per destination into one ``async_op=True``
+exchange (one round trip, not three; it returns an :class:`IdsHandle` that holds the
+``Work``), and :func:`wait_ids` waits for them and unpacks. The chain request -> wait -> request
 -> wait gives the overlap pass one window per exchange. Ids and lengths travel as int64,
 weights as float64 (:data:`WEIGHTS_WIRE_DTYPE`),
 whatever each rank's dtypes (ranks may differ). Weights travel only for a weighted collection
@@ -150,8 +151,8 @@ class IdsHandle:
 
     layout: IdsLayout
     works: list[Any]
-    values: torch.Tensor
-    lengths: torch.Tensor
+    buffer: torch.Tensor  # every source's lengths, ids (and weights' bits), as received
+    sizes: tuple[list[int], ...]  # per source: lengths, ids (, weights) in ``buffer``
     weights: torch.Tensor | None
     batch_sizes: list[int]  # rows each source rank sends (its local batch)
     local_batch: int
@@ -410,37 +411,50 @@ def send_ids(splits: IdsSplits) -> IdsHandle:
     # One wire dtype: ranks may hold int32 ids and int64 lengths, or the other way round.
     values_in = kjt.values().to(torch.int64)
     lengths_in = kjt.lengths().to(torch.int64)
-    values = values_in.new_empty(sum(ids_from))
-    lengths = lengths_in.new_empty(sum(len_from))
     weights_in = kjt.weights().to(WEIGHTS_WIRE_DTYPE) if layout.weighted else None
+    packed = [lengths_in, values_in]
+    if weights_in is not None and not splits.weights_grad:
+        packed.append(weights_in.view(torch.int64))  # the bits, unchanged
+    send, send_sizes = _pack(packed, [len_to, ids_to, ids_to])
+    recv_sizes = [sum(parts) for parts in zip(len_from, *[ids_from] * (len(packed) - 1))]
+    buffer = send.new_empty(sum(recv_sizes))
     weights = None
     try:
         works = [
-            dist.all_to_all_single(values, values_in, ids_from, ids_to, group=pg, async_op=True),
-            dist.all_to_all_single(lengths, lengths_in, len_from, len_to, group=pg, async_op=True),
+            dist.all_to_all_single(buffer, send, recv_sizes, send_sizes, group=pg, async_op=True)
         ]
-        if weights_in is not None and not splits.weights_grad:
-            weights = weights_in.new_empty(sum(ids_from))
-            works.append(
-                dist.all_to_all_single(
-                    weights, weights_in.detach(), ids_from, ids_to, group=pg, async_op=True
-                )
-            )
-        elif weights_in is not None:
+        if weights_in is not None and splits.weights_grad:
             weights = _send_weights(weights_in, ids_from, ids_to, layout.group_name)
     except (RuntimeError, dist.DistError) as exc:
         raise CommError(f"rank {me}: could not start the ids all-to-all: {exc}") from exc
     return IdsHandle(
         layout,
         works,
-        values,
-        lengths,
+        buffer,
+        (len_from, ids_from, ids_from)[: len(packed)],
         weights,
         splits.batch_sizes,
         splits.batch,
-        weights_async=splits.weights_grad and weights is not None,
-        keep=(values_in, lengths_in),
+        weights_async=weights is not None,
+        keep=(send,),
     )
+
+
+def _pack(tensors: list[torch.Tensor], sizes: list[list[int]]) -> tuple[torch.Tensor, list[int]]:
+    """One send buffer for several all-to-alls of one dtype: every destination's pieces of
+    each tensor, side by side (one exchange, so one round trip rather than one each)."""
+    sizes = sizes[: len(tensors)]
+    pieces = [t.split(s) for t, s in zip(tensors, sizes)]
+    per_rank = [piece for dest in zip(*pieces) for piece in dest]
+    return torch.cat(per_rank), [sum(parts) for parts in zip(*sizes)]
+
+
+def _unpack(buffer: torch.Tensor, sizes: tuple[list[int], ...]) -> list[torch.Tensor]:
+    """The tensors :func:`_pack` sent, as received: each source's pieces, joined."""
+    flat = [n for source in zip(*sizes) for n in source]
+    pieces = buffer.split(flat)
+    k = len(sizes)
+    return [torch.cat(pieces[i::k]) for i in range(k)]
 
 
 def _send_weights(
@@ -483,18 +497,21 @@ def wait_ids(handle: IdsHandle) -> KeyedJaggedTensor:
             w.wait()
         if handle.weights_async:
             weights = torch.ops._c10d_functional.wait_tensor(weights)
+    lengths, values, *bits = _unpack(handle.buffer, handle.sizes)
+    if bits:
+        weights = bits[0].view(WEIGHTS_WIRE_DTYPE)
     keys = list(handle.layout.local_keys)
     nk = len(keys)
     world = len(handle.batch_sizes)
     total = sum(handle.batch_sizes)
     if nk == 0:
-        return KeyedJaggedTensor([], handle.values, weights, lengths=handle.lengths, stride=total)
+        return KeyedJaggedTensor([], values, weights, lengths=lengths, stride=total)
     # Received blocks are (source rank, key); the lookup wants key-major over all rows.
     staged = KeyedJaggedTensor(
         [f"{r}/{k}" for r in range(world) for k in keys],
-        handle.values,
+        values,
         weights,
-        lengths=handle.lengths,
+        lengths=lengths,
         stride_per_key=[b for b in handle.batch_sizes for _ in range(nk)],
     )
     order = [r * nk + k for k in range(nk) for r in range(world)]

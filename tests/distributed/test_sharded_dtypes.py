@@ -165,3 +165,31 @@ def _mixed_weight_dtypes(rank: int, world: int, row_wise: tuple[str, ...]) -> No
 @pytest.mark.parametrize("row_wise", [(), ("t2",)])
 def test_ranks_may_send_weights_of_different_float_dtypes(row_wise: tuple[str, ...]) -> None:
     run_ranks(2, _mixed_weight_dtypes, row_wise, timeout=10, deadline=90)
+
+
+def _input_exchanges(rank: int, world: int, weighted: bool) -> None:
+    ebc = make_ebc(weighted=weighted)
+    sharded = shard(copy.deepcopy(ebc))
+    calls: list[int] = []
+    real = dist.all_to_all_single
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    dist.all_to_all_single = counted
+    try:
+        kjt = make_batch(ebc, rank, weighted, 9)
+        ref = ebc(kjt).values()
+        got = sharded(kjt).values()
+    finally:
+        dist.all_to_all_single = real
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
+    # the counts, then lengths, ids and weights side by side in one exchange
+    assert len(calls) == 2, f"{len(calls)} input exchanges"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("weighted", [False, True])
+def test_ids_lengths_and_weights_travel_in_one_exchange(weighted: bool) -> None:
+    run_ranks(2, _input_exchanges, weighted, deadline=90)
