@@ -89,7 +89,9 @@ def test_small_sets_at_a_small_batch_are_left_as_written_with_the_reason() -> No
 
 
 @needs_fbgemm
-def test_the_small_model_trains_fused_where_fbgemm_pays_and_runs_as_written_without_gradients() -> None:
+def test_the_small_model_trains_fused_where_fbgemm_pays_and_runs_as_written_without_gradients() -> (
+    None
+):
     """Batch 256 x 5 ids per member (past :data:`MIN_POOLED_TRAINING_IDS`): training graphs
     fuse each set of 2 into one table-batched lookup, graphs without gradients do not."""
     assert MIN_POOLED_TRAINING_IDS <= 256 * 5
