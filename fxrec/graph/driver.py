@@ -49,16 +49,22 @@ MAX_PASSES = 32
 _NO_OP: Any = object()
 
 
-def _candidates(rule: Rule, graph: fx.Graph) -> list[fx.Node]:
+def _candidates(
+    rule: Rule, graph: fx.Graph, hooked: Collection[str] | None = None
+) -> list[fx.Node]:
     """The nodes ``rule`` can use at all (:attr:`Rule.candidates`), in graph order; calls
-    of modules with hooks are never candidates (:func:`~fxrec.graph.effects.has_hooks`)."""
+    of modules with hooks are never candidates (:func:`~fxrec.graph.effects.has_hooks`).
+    ``hooked``: the paths of those modules, when the caller has them
+    (:meth:`RewriteContext.hooked_modules`)."""
     nodes = _spec_candidates(rule, graph)
     root = graph.owning_module
-    if root is None or not any(has_hooks(m) for m in root.modules()):
+    if hooked is None:
+        if root is None:
+            return nodes
+        hooked = {name for name, m in root.named_modules(remove_duplicate=False) if has_hooks(m)}
+    if not hooked:
         return nodes
-    return [
-        n for n in nodes if n.op != "call_module" or not has_hooks(root.get_submodule(n.target))
-    ]
+    return [n for n in nodes if n.op != "call_module" or n.target not in hooked]
 
 
 def _spec_candidates(rule: Rule, graph: fx.Graph) -> list[fx.Node]:
@@ -115,7 +121,7 @@ def _run_local(rule: LocalRule, ctx: RewriteContext) -> bool:
     """One sweep of a local rule over the graph, in order; True if it rewrote anything."""
     changed = False
     rule.begin_sweep(ctx)
-    for node in _candidates(rule, ctx.graph):
+    for node in _candidates(rule, ctx.graph, ctx.hooked_modules()):
         if node.graph is not ctx.graph:  # erased by an earlier rewrite in this loop
             continue
         m = rule.match(node, ctx)
@@ -251,7 +257,7 @@ def _buckets(
     # readers of earlier members move after the fused node, never across a switch.
     regions = mode_regions(ctx.graph, stretches=True)
     out: dict[Hashable, list[fx.Node]] = {}
-    for n in _candidates(rule, ctx.graph):
+    for n in _candidates(rule, ctx.graph, ctx.hooked_modules()):
         if n in index:
             k = key(n, ctx)
             if k is not None and regions is not None:

@@ -98,6 +98,7 @@ class RewriteContext:
         self.runs_eagerly = runs_eagerly  # no later tracing: ops without fake kernels are fine
         self.for_inductor = for_inductor  # Inductor compiles the rewritten graph next
         self._modules: dict[str, nn.Module] = {}
+        self._hooked: frozenset[str] | None = None
         self._caches: dict[Callable[[fx.Node], Any], NodeCache[Any]] = {}
         self._batching = False
         self._deferred: dict[fx.Node, dict[fx.Node, fx.Node]] = {}  # reader -> {old: new}
@@ -119,6 +120,20 @@ class RewriteContext:
         if mod is None:  # rules add submodules during a run but never replace one
             mod = self._modules[node.target] = self.gm.get_submodule(node.target)
         return mod
+
+    def hooked_modules(self) -> frozenset[str]:
+        """Paths of the submodules whose calls run hooks (rules leave those calls as written).
+
+        Listed once per run: walking a few thousand modules for every rule and pass was a
+        fifth of the search time on large graphs, and rules only add hook-free modules.
+        """
+        if self._hooked is None:
+            from fxrec.graph.effects import has_hooks
+
+            self._hooked = frozenset(
+                name for name, m in self.gm.named_modules(remove_duplicate=False) if has_hooks(m)
+            )
+        return self._hooked
 
     def info(self, node: Any) -> meta.TensorInfo | None:
         ti = meta.info(node)
