@@ -336,7 +336,11 @@ def has_side_effects(node: fx.Node) -> bool:
     """Conservative: anything that writes state, draws random numbers or talks to other ranks."""
     if node.is_impure() or mutates_input(node) or is_random(node):
         return True
-    if node.op == "call_function" and node.target in _STATEFUL_FUNCTIONS:
+    if node.op == "call_function" and (
+        node.target in _STATEFUL_FUNCTIONS or node.target in _SWITCHES
+    ):
+        # a mode switch's result is read by nothing but its exit, which nothing reads:
+        # erasing them would run an ``inference_mode`` block with autograd on
         return True
     mod = _owner_module(node)
     return bool(mod is not None and any(True for _ in mod.buffers()) and mod.training)

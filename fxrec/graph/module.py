@@ -1841,7 +1841,8 @@ def _saved_copy(t: torch.Tensor) -> torch.Tensor:
 class _preserved_state:
     """Capture runs the model; it must not change running statistics, buffers a forward
     reassigns (``self.steps = self.steps + 1``), inputs it changes in place, parameters it
-    writes (``max_norm`` renormalization), or the RNG stream."""
+    writes (``max_norm`` renormalization), or the RNG stream. An empty buffer the forward
+    replaces with a filled one is set-up, which a plain first call would do too: kept."""
 
     def __init__(self, model: nn.Module, inputs: Any = ()) -> None:
         self.model = model
@@ -1891,6 +1892,12 @@ class _preserved_state:
             return
         with torch.no_grad():
             for buffers, name, b, saved in self.buffers:
+                now = buffers.get(name)
+                if now is not b and now is not None and b.numel() == 0 < now.numel():
+                    # an empty placeholder the forward filled on its first call (TorchRec's
+                    # KTRegroupAsDict builds its permutes so, and flags itself set up): set-up,
+                    # not a step; keep it, consistent with the attributes set beside it
+                    continue
                 buffers[name] = b  # the object forward found, if it assigned another
                 b.copy_(saved)
             for t, version, saved in self.args:

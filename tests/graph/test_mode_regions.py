@@ -78,3 +78,34 @@ def test_a_branch_on_the_grad_mode_follows_each_call() -> None:
     for region in (torch.no_grad, torch.inference_mode, torch.enable_grad, torch.no_grad):
         with region():
             torch.testing.assert_close(opt(x), ref(x), msg=region.__name__)
+
+
+class FrozenTeacher(nn.Module):
+    """A trained branch beside a frozen one computed under ``inference_mode`` (a teacher)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.student = nn.Linear(D, D)
+        self.teacher = nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.student(x)
+        with torch.inference_mode():
+            t = self.teacher(x)
+        return y + t.clone()
+
+
+def test_an_inference_mode_block_gets_no_gradient() -> None:
+    torch.manual_seed(0)
+    model = FrozenTeacher()
+    ref = copy.deepcopy(model)
+    opt = fxrec.optimize(model, (torch.randn(8, D),))
+    x = torch.randn(8, D)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ref(xa).sum().backward()
+    opt(xb).sum().backward()
+    grads = opt.fxrec_fused.grads(model)
+    assert ref.teacher.weight.grad is None
+    assert grads["teacher.weight"] is None, "the inference-mode block was trained"
+    torch.testing.assert_close(xb.grad, xa.grad)
+    torch.testing.assert_close(grads["student.weight"], ref.student.weight.grad)

@@ -165,3 +165,45 @@ def test_sparse_modules_stay_whole_and_dense_ones_are_traced() -> None:
         LowRankCrossNet(4, 2, 2),
     ):
         assert not tracer.is_leaf_module(dense, "dense")
+
+
+class RegroupedTowers(nn.Module):
+    """Two collections regrouped by TorchRec's ``KTRegroupAsDict``, which builds its permutes
+    into empty buffers on its first call and flags itself set up."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torchrec.modules.regroup import KTRegroupAsDict
+
+        def ebc(name: str, key: str) -> EmbeddingBagCollection:
+            cfg = EmbeddingBagConfig(
+                name=name, embedding_dim=4, num_embeddings=10, feature_names=[key]
+            )
+            return EmbeddingBagCollection(tables=[cfg])
+
+        self.e1, self.e2 = ebc("a", "f0"), ebc("b", "f1")
+        self.regroup = KTRegroupAsDict(groups=[["f1", "f0"]], keys=["u"])
+
+    def forward(self, k1: KeyedJaggedTensor, k2: KeyedJaggedTensor) -> torch.Tensor:
+        return self.regroup([self.e1(k1), self.e2(k2)])["u"]
+
+
+def test_a_module_set_up_on_its_first_call_stays_set_up() -> None:
+    def batch(seed: int) -> tuple[KeyedJaggedTensor, KeyedJaggedTensor]:
+        g = torch.Generator().manual_seed(seed)
+        return tuple(
+            KeyedJaggedTensor(
+                keys=[k],
+                values=torch.randint(0, 10, (6,), generator=g),
+                lengths=torch.full((3,), 2),
+            )
+            for k in ("f0", "f1")
+        )
+
+    torch.manual_seed(0)
+    model = RegroupedTowers()
+    ref = copy.deepcopy(model)
+    opt = fxrec.optimize(model, batch(0))  # the model's first call is fxrec's
+    for seed in (1, 2):
+        torch.testing.assert_close(opt(*batch(seed)), ref(*batch(seed)), rtol=0, atol=0)
+        torch.testing.assert_close(model(*batch(seed)), ref(*batch(seed)), rtol=0, atol=0)
