@@ -1274,7 +1274,10 @@ def _refuse_tracers(args: tuple, kwargs: dict) -> None:
     if any(isinstance(a, fx.Proxy) for a in tree_leaves((args, kwargs))):
         raise RuntimeError(
             "fxrec: torch.fx.symbolic_trace cannot trace an optimized module: its graphs are "
-            f"built per input signature at call time. {_PORTABLE}"
+            "built per input signature at call time. A train pipeline that traces the model "
+            "to find its sparse modules (TorchRec's TrainPipelineSparseDist) cannot drive it: "
+            "fxrec.train.TrainPipelineSparseDist and TrainPipelineBase take optimized models, "
+            f"DistributedModelParallel-wrapped ones too. {_PORTABLE}"
         )
 
 

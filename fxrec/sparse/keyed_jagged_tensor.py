@@ -361,6 +361,14 @@ class KeyedJaggedTensor(metaclass=SparseMeta):
             self._offset_per_key = cumsum_list(self.length_per_key())
         return self._offset_per_key
 
+    def offset_per_key_or_none(self) -> list[int] | None:
+        return self._offset_per_key
+
+    def inverse_indices_or_none(self) -> None:
+        """None: no per-key batch expansion (TorchRec's variable-batch inverse indices) is
+        held. TorchRec's own modules ask for it, so they read this KJT as they read theirs."""
+        return None
+
     def lengths_offset_per_key(self) -> list[int]:
         """Start of each key's rows in ``lengths``, plus the end."""
         return cumsum_list(self.stride_per_key())

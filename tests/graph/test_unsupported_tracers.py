@@ -73,6 +73,9 @@ def test_symbolic_trace_raises() -> None:
             RuntimeError, match=r"fxrec: torch\.fx\.symbolic_trace .*" + WHAT_TO_USE
         ):
             torch.fx.symbolic_trace(target)
+    # a pipeline that traces its model (TorchRec's) learns which pipelines take it
+    with pytest.raises(RuntimeError, match=r"fxrec\.train\.TrainPipelineSparseDist"):
+        torch.fx.symbolic_trace(opt)
 
 
 def test_calls_while_another_thread_traces_run(monkeypatch: pytest.MonkeyPatch) -> None:

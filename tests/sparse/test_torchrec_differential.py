@@ -139,3 +139,36 @@ def test_conversion_errors() -> None:
         to_torchrec(torch.zeros(1))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="from_torchrec takes"):
         from_torchrec(torch.zeros(1))
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_torchrecs_collection_reads_our_kjt(weighted: bool) -> None:
+    import copy
+
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+
+    import fxrec
+
+    torch.manual_seed(0)
+    tables = [
+        EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=10, feature_names=["a", "b"]),
+        EmbeddingBagConfig(name="t1", embedding_dim=3, num_embeddings=7, feature_names=["c"]),
+    ]
+    ebc = EmbeddingBagCollection(tables=tables, is_weighted=weighted)
+    ref = copy.deepcopy(ebc)
+    lengths = torch.tensor([1, 2, 0, 1, 3, 1])
+    n = int(lengths.sum())
+    values = torch.randint(0, 7, (n,))
+    weights = torch.rand(n) if weighted else None
+    ours = KeyedJaggedTensor(["b", "a", "c"], values, weights, lengths=lengths)
+    theirs = to_torchrec(ours)
+    opt = fxrec.optimize(ebc, (ours,))
+    for got in (ebc(ours), opt(ours)):
+        want = ref(theirs)
+        assert got.keys() == want.keys()
+        torch.testing.assert_close(got.values(), want.values())
+    opt(ours).values().sum().backward()
+    ref(theirs).values().sum().backward()
+    grads = opt.fxrec_fused.grads(ebc)
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, msg=name)
