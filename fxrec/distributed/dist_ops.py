@@ -123,12 +123,13 @@ class CountsHandle:
 
     def drain(self) -> None:
         """Wait for whatever is in flight (so that its buffers can be released)."""
-        self.work.wait()
-        if self.sent is not None:
-            for w in self.sent.works:
-                w.wait()
-            if self.sent.weights_async:
-                torch.ops._c10d_functional.wait_tensor(self.sent.weights)
+        with translated("an id exchange started for a batch that did not run"):
+            self.work.wait()
+            if self.sent is not None:
+                for w in self.sent.works:
+                    w.wait()
+                if self.sent.weights_async:
+                    torch.ops._c10d_functional.wait_tensor(self.sent.weights)
 
 
 @dataclass
@@ -440,6 +441,7 @@ def send_ids(splits: IdsSplits) -> IdsHandle:
     )
 
 
+@torch.compiler.disable  # host-side sizes from the counts: dynamo would guard on each
 def _pack(tensors: list[torch.Tensor], sizes: list[list[int]]) -> tuple[torch.Tensor, list[int]]:
     """One send buffer for several all-to-alls of one dtype: every destination's pieces of
     each tensor, side by side (one exchange, so one round trip rather than one each)."""
@@ -449,6 +451,7 @@ def _pack(tensors: list[torch.Tensor], sizes: list[list[int]]) -> tuple[torch.Te
     return torch.cat(per_rank), [sum(parts) for parts in zip(*sizes)]
 
 
+@torch.compiler.disable
 def _unpack(buffer: torch.Tensor, sizes: tuple[list[int], ...]) -> list[torch.Tensor]:
     """The tensors :func:`_pack` sent, as received: each source's pieces, joined."""
     flat = [n for source in zip(*sizes) for n in source]

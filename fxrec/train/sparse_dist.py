@@ -246,11 +246,19 @@ class InputDist:
         return ended
 
     def discard(self) -> None:
-        """Drop ids requested for a batch that will not run (wait so buffers are released)."""
+        """Drop ids requested for a batch that will not run (wait so buffers are released).
+
+        An exchange that failed (a peer died) is only logged: the batch it was for will not
+        run, and the collective that failed, or the next one, raises where it belongs.
+        """
         self._finish_probe()
-        for _, request in list(self._pending.values()):
-            _drain(request)
+        requests = list(self._pending.values())
         self._pending.clear()
+        for _, request in requests:
+            try:
+                _drain(request)
+            except RuntimeError as exc:  # CommError
+                logger.warning("fxrec pipeline: dropping an exchange that failed: %s", exc)
 
     def restore(self) -> None:
         """Give every collection its own forward back."""

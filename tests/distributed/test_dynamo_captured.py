@@ -101,3 +101,52 @@ def test_varying_local_batches_never_replay_a_call() -> None:
 @pytest.mark.distributed
 def test_an_id_outside_its_table_is_refused_before_the_exchange() -> None:
     run_ranks(2, _bad_id, timeout=15.0, deadline=120.0)
+
+
+class _TwoCollections(nn.Module):
+    def __init__(self, e1: nn.Module, e2: nn.Module) -> None:
+        super().__init__()
+        self.e1, self.e2 = e1, e2
+
+    def forward(self, kjt: object) -> torch.Tensor:
+        return torch.cat([self.e1(kjt).values(), self.e2(kjt).values()], 1)
+
+
+def _compiled_with_an_empty_batch(rank: int, world: int) -> None:
+    import copy
+
+    import fxrec
+    from fxrec.distributed import shard
+    from fxrec.nn import EmbeddingBagCollection, EmbeddingBagConfig
+    from fxrec.sparse import KeyedJaggedTensor
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    e1 = EmbeddingBagCollection(
+        [
+            EmbeddingBagConfig(num_embeddings=10, embedding_dim=4, name=f"t{i}", feature_names=[k])
+            for i, k in enumerate(KEYS)
+        ]
+    )
+    e2 = EmbeddingBagCollection(
+        [
+            EmbeddingBagConfig(
+                num_embeddings=10, embedding_dim=2, name="s", feature_names=["f0", "f2"]
+            )
+        ]
+    )
+    ref = _TwoCollections(copy.deepcopy(e1), copy.deepcopy(e2))
+    model = torch.compile(
+        _TwoCollections(shard(e1), shard(e2)), backend=fxrec.compile_backend("eager")
+    )
+    for step, batch in enumerate([[3, 2], [3, 5], [2, 0], [4, 3]]):
+        g = torch.Generator().manual_seed(10 * step + rank)
+        lengths = torch.randint(1, 3, (len(KEYS) * batch[rank],), generator=g)
+        values = torch.randint(0, 10, (int(lengths.sum()),), generator=g)
+        kjt = KeyedJaggedTensor(KEYS, values, lengths=lengths)
+        torch.testing.assert_close(model(kjt), ref(kjt), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.distributed
+def test_compiled_sharded_collections_take_an_empty_local_batch() -> None:
+    run_ranks(2, _compiled_with_an_empty_batch, timeout=15.0, deadline=150.0)
