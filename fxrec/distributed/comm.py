@@ -77,6 +77,7 @@ class CommStats:
 stats = CommStats()
 
 
+@torch.compiler.disable  # a process group's backend is opaque to dynamo: read it eagerly
 def group_timeout(pg: dist.ProcessGroup | None = None) -> float | None:
     """The timeout (seconds) ``pg`` (default: the world group) really enforces, read from its
     backend; None when it cannot be read. What error messages quote: the value asked of

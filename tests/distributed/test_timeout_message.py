@@ -47,3 +47,20 @@ def test_without_a_group_the_timeout_is_unknown() -> None:
         translated("an exchange"),
     ):
         raise RuntimeError("peer went away")
+
+
+def _failed_in_a_compiled_frame(rank: int, world: int) -> None:
+    def step(x: torch.Tensor) -> torch.Tensor:
+        y = x + 1
+        with translated("an exchange"):
+            if y.sum() > 0:  # a collective that failed, as dynamo traces its error path
+                raise RuntimeError("peer went away")
+        return y
+
+    with pytest.raises(CommError, match=r"timeout \(1\.5 s\)"):
+        torch.compile(step, backend="eager")(torch.ones(3))
+
+
+@pytest.mark.timeout(60)
+def test_error_in_a_compiled_frame_is_a_comm_error() -> None:
+    run_ranks(1, _failed_in_a_compiled_frame, timeout=TIMEOUT, deadline=30)
