@@ -5,7 +5,9 @@ Every common spelling matches (``torch.tanh``, ``Tensor.tanh``, ``F.tanh``, ``nn
 Inductor's batch fusions miss. Members must agree on the op and its extra arguments, dtype
 and device. In-place members (``relu(inplace=True)``, ``x.relu_()``) are refused: merging them
 would lose the write to their input. Dropout in training mode is refused: one fused mask draws
-different random numbers than N masks.
+different random numbers than N masks. So is a set where a member whose input may not be
+row-major (a graph input, a transposed view) reaches a random op: a fused member is a
+row-major slice, and a dropout after it would draw its mask for other elements.
 """
 
 from __future__ import annotations
@@ -21,8 +23,15 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
+from fxrec.graph import meta
 from fxrec.graph.cost import copy_reason, copy_volume_reason, partial_view_pays, view_run_pays
-from fxrec.graph.effects import member_refusal, mutates_input
+from fxrec.graph.effects import (
+    _is_view,
+    _owner_module,
+    is_random,
+    member_refusal,
+    mutates_input,
+)
 from fxrec.graph.horizontal import Gathered, gather, scatter
 from fxrec.graph.pieces import Piece, contiguous_range, piece_of, piece_runs
 from fxrec.graph.rule import HorizontalRule, RewriteContext, exact, register
@@ -36,6 +45,7 @@ __all__ = [
     "unary_op",
     "FuseParallelBinary",
     "FuseParallelUnary",
+    "layout_draw_refusal",
 ]
 
 # Node meta flags: members of a run of pieces split off from a larger set (set by
@@ -247,6 +257,8 @@ class FuseParallelUnary(HorizontalRule):
         ):
             return "dropout in training mode: one fused mask draws different random numbers"
         inputs = [unary_op(n, ctx).input for n in group]  # type: ignore[union-attr]
+        if (why := layout_draw_refusal(group, [[x] for x in inputs])) is not None:
+            return why
         if contiguous_range(inputs) is not None:
             return None
         if reason := copy_reason(ctx, len(group), "separate inputs"):
@@ -268,6 +280,154 @@ class FuseParallelUnary(HorizontalRule):
             ctx.replace(member, out)
         ctx.erase_if_dead(group)
         self.fired(ctx, group, f"{ops[0].name} x{len(group)}" + (" (cat)" if g.copied else ""))  # type: ignore[union-attr]
+
+
+# -- layouts and random draws ------------------------------------------------------------------
+# Calls whose result is row-major (contiguous) whatever the strides of their inputs.
+_ROW_MAJOR_MODULES = (
+    nn.Linear, nn.Bilinear, nn.LayerNorm, nn.GroupNorm, nn.Embedding, nn.EmbeddingBag,
+)  # fmt: skip
+_ROW_MAJOR_FUNCTIONS = frozenset(
+    {
+        F.linear, torch._C._nn.linear, F.bilinear, torch.matmul, operator.matmul, torch.mm,
+        torch.bmm, torch.addmm, torch.baddbmm, F.layer_norm, torch.layer_norm, F.group_norm,
+        F.embedding, F.embedding_bag,
+    }
+)  # fmt: skip
+_ROW_MAJOR_METHODS = frozenset({"matmul", "mm", "bmm", "addmm", "baddbmm"})
+# Row-major below 4 dims (4-D and 5-D inputs may keep a channels-last layout).
+_JOINING_FUNCTIONS = frozenset({torch.cat, torch.concat, torch.concatenate, torch.stack})
+# Views that reorder dims: their result is not row-major whatever their input is.
+_PERMUTING_METHODS = frozenset(
+    {"t", "transpose", "permute", "movedim", "moveaxis", "swapaxes", "swapdims", "adjoint",
+     "as_strided"}
+)  # fmt: skip
+_PERMUTING_FUNCTIONS = frozenset(
+    {torch.t, torch.transpose, torch.permute, torch.movedim, torch.moveaxis, torch.swapaxes,
+     torch.swapdims, torch.adjoint, torch.as_strided}
+)  # fmt: skip
+_PERMUTING_ATTRIBUTES = frozenset({"T", "mT", "H", "mH"})
+
+
+def layout_draw_refusal(
+    group: Sequence[fx.Node], inputs: Sequence[Sequence[fx.Node]]
+) -> str | None:
+    """Why a pointwise set whose members read ``inputs`` must stay as written, or None.
+
+    A pointwise op's result is laid out as its input: ``relu`` of a transposed tensor is
+    column-major, while a member of a fused op is a row-major slice. Values do not care, but
+    a random op after it (dropout) draws its mask in memory order, so the mask would land on
+    other elements. Only inputs whose layout the graph does not fix (a graph input, a
+    permuting view of anything) can be laid out otherwise.
+    """
+    fixed: set[fx.Node] = set()  # laid out row-major whatever the inputs: shared by members
+    for member, xs in zip(group, inputs):
+        if any(_layout_open(x, fixed) for x in xs) and _reaches_draw(member):
+            return (
+                "a member's input may not be row-major (a graph input or a transposed view) "
+                "and its result reaches a random op: the fused result's row-major slices "
+                "would draw a different mask"
+            )
+    return None
+
+
+def _layout_open(x: fx.Node, fixed: set[fx.Node]) -> bool:
+    """May ``x`` be laid out other than row-major, depending on the strides a graph input
+    is given or on a permuting view? Walks up through views and ops whose result is laid out
+    as their inputs, to the calls that lay their result out row-major. ``fixed``: nodes
+    known row-major, the ones this walk finds so added."""
+    seen: set[fx.Node] = set()
+    work = [x]
+    while work:
+        n = work.pop()
+        if n in seen or n in fixed:
+            continue
+        seen.add(n)
+        if n.op == "placeholder" or _permutes(n):
+            return True
+        if n.op == "get_attr":
+            t = _attribute(n)
+            if isinstance(t, torch.Tensor) and not t.is_contiguous():
+                return True
+            continue
+        if _row_major(n):
+            continue
+        if _is_view(n):  # its other arguments are sizes and dims
+            if n.args and isinstance(n.args[0], fx.Node):
+                work.append(n.args[0])
+            continue
+        work.extend(i for i in n.all_input_nodes if _tensor_valued(i))
+    fixed |= seen
+    return False
+
+
+def _reaches_draw(node: fx.Node) -> bool:
+    """Does ``node``'s result reach a random op (:func:`~fxrec.graph.effects.is_random`)
+    through views and ops whose result is laid out as their inputs?"""
+    seen: set[fx.Node] = set()
+    work = [node]
+    while work:
+        for u in work.pop().users:
+            if u in seen:
+                continue
+            seen.add(u)
+            if is_random(u):
+                return True
+            if u.op != "output" and not _row_major(u):
+                work.append(u)
+    return False
+
+
+def _row_major(node: fx.Node) -> bool:
+    """Is ``node``'s result row-major whatever the strides of its inputs?"""
+    op, target = node.op, node.target
+    if op == "call_module":
+        return type(_owner_module(node)) in _ROW_MAJOR_MODULES
+    if op == "call_method":
+        if target == "contiguous":  # row-major unless asked for another memory format
+            fmt = node.args[1] if len(node.args) > 1 else node.kwargs.get("memory_format")
+            return fmt is None or fmt is torch.contiguous_format
+        return target in _ROW_MAJOR_METHODS
+    if op != "call_function":
+        return False
+    try:
+        if target in _ROW_MAJOR_FUNCTIONS:
+            return True
+        joins = target in _JOINING_FUNCTIONS
+    except TypeError:  # an unhashable target
+        return False
+    ti = meta.info(node)
+    return joins and isinstance(ti, meta.TensorInfo) and ti.ndim < 4
+
+
+def _permutes(node: fx.Node) -> bool:
+    """A view reordering dims: ``x.t()``, ``x.transpose(0, 1)``, ``x.mT``, ``x.permute(...)``."""
+    if node.op == "call_method":
+        return node.target in _PERMUTING_METHODS
+    if node.op != "call_function":
+        return False
+    if node.target is getattr:
+        return node.args[1:2] != () and node.args[1] in _PERMUTING_ATTRIBUTES
+    try:
+        return node.target in _PERMUTING_FUNCTIONS
+    except TypeError:  # an unhashable target
+        return False
+
+
+def _attribute(node: fx.Node) -> Any:
+    """What a ``get_attr`` reads (None if its owner has no such attribute)."""
+    obj: Any = node.graph.owning_module
+    for part in str(node.target).split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
+def _tensor_valued(node: fx.Node) -> bool:
+    """Is ``node`` a tensor (or of unknown kind), not a size or another number?"""
+    ti = meta.info(node)
+    if ti is None:
+        return not (node.op == "call_method" and node.target in ("size", "dim", "numel"))
+    return isinstance(ti, (meta.TensorInfo, tuple, list))
 
 
 def _elems(nodes: Sequence[fx.Node], ctx: RewriteContext) -> int:
@@ -399,6 +559,9 @@ class FuseParallelBinary(HorizontalRule):
         if (why := member_refusal(group)) is not None:
             return why
         ops: list[BinaryOp] = [binary_op(n) for n in group]  # type: ignore[misc]
+        operands = [[s for s in (o.lhs, o.rhs) if isinstance(s, fx.Node)] for o in ops]
+        if (why := layout_draw_refusal(group, operands)) is not None:
+            return why
         if _view_run_side(group, ops) is not None:
             return None
         copies = sum(
