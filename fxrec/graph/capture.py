@@ -28,6 +28,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from fxrec.graph import meta
 from fxrec.graph.effects import has_hooks, mutates_input, written_target
 
 logger = logging.getLogger(__name__)
@@ -449,7 +450,7 @@ def lift_params_to_attrs(
         root[qual] = val
     for node in graph.nodes:
         if node.op in ("get_attr", "call_module") and node.target not in root:
-            root[node.target] = _resolve(gm, node.target)
+            root[node.target] = meta.resolve_attr(gm, node.target)
     out = fx.GraphModule(root, graph, type(model).__name__)
     out.meta.update(gm.meta)  # Inductor reads dynamo's entries (parameter names, compile id)
     return out, keep

@@ -28,9 +28,9 @@ import torch.fx as fx
 from fxrec.graph.effects import (
     _is_view,
     eliminate_dead_code,
-    has_hooks,
     has_mode_switches,
     has_side_effects,
+    hooked_paths,
     is_random,
     mode_regions,
     mutates_input,
@@ -61,7 +61,7 @@ def _candidates(
     if hooked is None:
         if root is None:
             return nodes
-        hooked = {name for name, m in root.named_modules(remove_duplicate=False) if has_hooks(m)}
+        hooked = hooked_paths(root)
     if not hooked:
         return nodes
     return [n for n in nodes if n.op != "call_module" or n.target not in hooked]

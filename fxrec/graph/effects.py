@@ -21,6 +21,7 @@ __all__ = [
     "comm_kind",
     "has_mode_switches",
     "has_hooks",
+    "hooked_paths",
     "records_grad",
     "has_side_effects",
     "mutates_input",
@@ -128,6 +129,11 @@ def _owner_module(node: fx.Node) -> nn.Module | None:
         return node.graph.owning_module.get_submodule(node.target)
     except AttributeError:
         return None
+
+
+def hooked_paths(root: nn.Module) -> frozenset[str]:
+    """Paths of ``root``'s submodules whose calls run hooks (:func:`has_hooks`)."""
+    return frozenset(name for name, m in root.named_modules(remove_duplicate=False) if has_hooks(m))
 
 
 def has_hooks(module: nn.Module) -> bool:

@@ -30,6 +30,7 @@ __all__ = [
     "infer",
     "stamp_program_order",
     "program_order",
+    "resolve_attr",
 ]
 
 _KEY = "fxrec_info"
@@ -183,7 +184,7 @@ def infer(gm: fx.GraphModule, node: fx.Node) -> bool:
             elif node.op == "call_module":
                 out = gm.get_submodule(node.target)(*args, **kwargs)
             elif node.op == "get_attr":
-                out = _resolve_attr(gm, node.target)
+                out = resolve_attr(gm, node.target)
             else:
                 return False
     except Exception as exc:  # any failure leaves the node opaque, by design
@@ -399,8 +400,10 @@ def _join_info(args: tuple, stack: bool) -> TensorInfo | None:
     )
 
 
-def _resolve_attr(gm: fx.GraphModule, target: str) -> Any:
-    obj: Any = gm
+def resolve_attr(root: Any, target: str) -> Any:
+    """What the qualified attribute name ``target`` (``"a.b.weight"``) names on ``root``;
+    AttributeError if nothing does."""
+    obj: Any = root
     for part in target.split("."):
         obj = getattr(obj, part)
     return obj

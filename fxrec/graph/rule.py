@@ -27,6 +27,7 @@ from torch import nn
 
 from fxrec.graph import meta
 from fxrec.graph.cost import cache_reason, chunks
+from fxrec.graph.effects import hooked_paths
 from fxrec.graph.params import ParamStore
 from fxrec.graph.report import Report
 
@@ -128,11 +129,7 @@ class RewriteContext:
         fifth of the search time on large graphs, and rules only add hook-free modules.
         """
         if self._hooked is None:
-            from fxrec.graph.effects import has_hooks
-
-            self._hooked = frozenset(
-                name for name, m in self.gm.named_modules(remove_duplicate=False) if has_hooks(m)
-            )
+            self._hooked = hooked_paths(self.gm)
         return self._hooked
 
     def info(self, node: Any) -> meta.TensorInfo | None:

@@ -57,6 +57,7 @@ import torch.fx as fx
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 from torch import nn
 
+from fxrec.graph import meta
 from fxrec.graph.capture import CaptureError, capture_symbolic
 from fxrec.graph.effects import eliminate_dead_code
 from fxrec.sparse import (
@@ -991,7 +992,9 @@ def combine_inputs(
     for node in graph.nodes:
         if node.op in ("call_module", "get_attr"):
             target = str(node.target)
-            root[target] = _get(wrapper if target.startswith("fxrec_combined_") else gm, target)
+            root[target] = meta.resolve_attr(
+                wrapper if target.startswith("fxrec_combined_") else gm, target
+            )
     new = fx.GraphModule(root, graph, f"Combined{type(model).__name__}")
     _adopt_hierarchy(new, model)
     eliminate_dead_code(new.graph)  # keeps in-place buffer updates nothing reads
@@ -1040,12 +1043,6 @@ def _adopt_hierarchy(new: fx.GraphModule, model: nn.Module) -> None:
     for name, b in model.named_buffers(recurse=False):
         new.register_buffer(name, b, persistent=name not in model._non_persistent_buffers_set)
     new.training = model.training  # (not train(): its children keep their own modes)
-
-
-def _get(obj: Any, target: str) -> Any:
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def _example_dtypes(slots: Sequence[_Slot], args: Sequence[Any]) -> tuple[Any, Any, Any]:

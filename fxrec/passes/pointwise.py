@@ -346,7 +346,10 @@ def _layout_open(x: fx.Node, fixed: set[fx.Node]) -> bool:
         if n.op == "placeholder" or _permutes(n):
             return True
         if n.op == "get_attr":
-            t = _attribute(n)
+            try:
+                t = meta.resolve_attr(n.graph.owning_module, str(n.target))
+            except AttributeError:
+                t = None
             if isinstance(t, torch.Tensor) and not t.is_contiguous():
                 return True
             continue
@@ -412,14 +415,6 @@ def _permutes(node: fx.Node) -> bool:
         return node.target in _PERMUTING_FUNCTIONS
     except TypeError:  # an unhashable target
         return False
-
-
-def _attribute(node: fx.Node) -> Any:
-    """What a ``get_attr`` reads (None if its owner has no such attribute)."""
-    obj: Any = node.graph.owning_module
-    for part in str(node.target).split("."):
-        obj = getattr(obj, part, None)
-    return obj
 
 
 def _tensor_valued(node: fx.Node) -> bool:
