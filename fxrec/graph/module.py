@@ -844,6 +844,7 @@ class OptimizedModule(nn.Module):
             return runner
         probe = self._dynamo_runner() if hooked else runner
         grad = torch.is_grad_enabled()  # the mode training will call it in: one compile
+        mark = self.fxrec_report.mark()  # this signature's graphs report from here on
         with _hooks_silenced(self.model) if hooked else contextlib.nullcontext():
             if not self._check:
                 with _preserved_state(self.model, (args, kwargs)):
@@ -869,8 +870,10 @@ class OptimizedModule(nn.Module):
         logger.warning(
             "fxrec: optimized graphs disagree with the model on these inputs; running them eagerly"
         )
+        undone = self.fxrec_report.undo(mark)
         note = "check failed: outputs differ on the first inputs of a signature; those run eagerly"
         self.fxrec_report.note(note)
+        logger.info("fxrec: %d rewrites of that signature's graphs undone", undone)
         return _EagerRunner(self.model, self.fxrec_fused)
 
     def _dynamo_runner(self, dynamic: bool | None = None) -> Any:
@@ -957,9 +960,10 @@ class OptimizedModule(nn.Module):
                 "using the captured graph",
                 failed,
             )
+            undone = report.undo((0, 0, report.nodes_before, report.nodes_before))
             report.notes.append(
                 f"check failed: outputs differ on the example inputs{failed}; graph left "
-                "unoptimized"
+                f"unoptimized ({undone} rewrites undone)"
             )
             gm = fx.GraphModule(traced, _copy_graph(traced.graph), traced.__class__.__name__)
             ParamStore(gm, self._owner()).rebind()  # members laid out already: reach them

@@ -166,6 +166,7 @@ def _optimize_in_place(
     params = ParamStore(gm, owner)
     ctx = RewriteContext(gm, report, params, device_type, runs_eagerly, for_inductor)
     meta.stamp_program_order(gm.graph)
+    mark = report.mark()
     t0 = time.perf_counter()
     try:
         try:
@@ -182,7 +183,10 @@ def _optimize_in_place(
         logger.warning(
             "fxrec: a rule failed (%s: %s); keeping this graph unoptimized", type(exc).__name__, exc
         )
-        report.notes.append(f"graph left unoptimized: {type(exc).__name__}: {exc}")
+        undone = report.undo(mark)
+        report.notes.append(
+            f"graph left unoptimized: {type(exc).__name__}: {exc} ({undone} rewrites undone)"
+        )
         gm.graph = backup.restore()
         params.rebind()
         gm.recompile()

@@ -64,6 +64,22 @@ class Report:
         if text not in self.notes:
             self.notes.append(text)
 
+    def mark(self) -> tuple[int, int, int, int]:
+        """Where the report stands now; :meth:`undo` forgets what is recorded after it."""
+        return len(self.firings), len(self.refusals), self.nodes_before, self.nodes_after
+
+    def undo(self, mark: tuple[int, int, int, int]) -> int:
+        """Forget the firings and refusals recorded since ``mark``: their graphs were thrown
+        away (a failed check, a failing rule), so the report must not list rewrites that do not
+        run. Graphs counted since then keep their nodes. Returns how many firings went."""
+        firings, refusals, before, after = mark
+        undone = len(self.firings) - firings
+        for r in self.refusals[refusals:]:
+            self._refused.discard((r.rule, tuple(r.nodes), r.reason))
+        del self.firings[firings:], self.refusals[refusals:]
+        self.nodes_after = after + (self.nodes_before - before)
+        return undone
+
     def count(self, rule: str | None = None) -> int:
         """How many times ``rule`` (or any rule) fired."""
         return sum(1 for f in self.firings if rule is None or f.rule == rule)

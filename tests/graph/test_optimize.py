@@ -58,6 +58,17 @@ class Scales(nn.Module):
         )
 
 
+class _Scales4(Scales):
+    def __init__(self) -> None:
+        super().__init__(n=4)
+
+    def forward(self, *xs: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        w = self.w
+        y0, y1 = torch.mul(xs[0], w[0]), torch.mul(xs[1], w[1])
+        y2, y3 = torch.mul(xs[2], w[2]), torch.mul(xs[3], w[3])
+        return self.proj(y0) + self.proj(y1) + self.proj(y2) + self.proj(y3)
+
+
 def _inputs(n: int = 3, b: int = 4, d: int = 5) -> tuple[torch.Tensor, ...]:
     return tuple(torch.randn(b, d) for _ in range(n))
 
@@ -158,6 +169,19 @@ def test_failing_rule_raises_in_strict_mode_and_falls_back_otherwise(
         def fuse(self, group, ctx):  # type: ignore[override]
             raise RuntimeError("boom")
 
+    class BrokenLater(StackedScale):
+        """Fires, then breaks on a later set: the graph with its first rewrite is dropped."""
+
+        name = "test_broken_later"
+
+        def fuse(self, group, ctx):  # type: ignore[override]
+            if ctx.report.count(self.name):
+                raise RuntimeError("boom")
+            super().fuse(group, ctx)
+
+        def partition(self, group, ctx):  # type: ignore[override]
+            return [list(pair) for pair in zip(group[::2], group[1::2])]
+
     with pytest.raises(RuntimeError, match="boom"):
         fxrec.optimize(Scales(), _inputs(), rules=[Broken])
     monkeypatch.setenv("FXREC_STRICT", "0")
@@ -165,6 +189,13 @@ def test_failing_rule_raises_in_strict_mode_and_falls_back_otherwise(
     opt = fxrec.optimize(model, _inputs(), rules=[Broken])
     assert any("boom" in n for n in opt.fxrec_report.notes)
     xs = _inputs()
+    torch.testing.assert_close(opt(*xs), model(*xs))
+    model = _Scales4()
+    opt = fxrec.optimize(model, _inputs(n=4), rules=[BrokenLater])
+    report = opt.fxrec_report
+    assert any("boom" in n and "(1 rewrites undone)" in n for n in report.notes)
+    assert report.count() == 0
+    xs = _inputs(n=4)
     torch.testing.assert_close(opt(*xs), model(*xs))
 
 
@@ -176,11 +207,15 @@ def test_wrong_rewrite_is_caught_by_the_check(monkeypatch: pytest.MonkeyPatch) -
             for n in group:
                 ctx.replace(n, n.args[0])  # drops the multiplication
             ctx.erase_if_dead(group)
+            self.fired(ctx, group)
 
     monkeypatch.setenv("FXREC_STRICT", "0")
     model = Scales()
     opt = fxrec.optimize(model, _inputs(), rules=[Wrong])
-    assert any("check failed" in n for n in opt.fxrec_report.notes)
+    report = opt.fxrec_report
+    assert any("check failed" in n and "(1 rewrites undone)" in n for n in report.notes)
+    # The report lists no rewrite the model does not run.
+    assert report.count() == 0 and report.nodes_after == report.nodes_before
     xs = _inputs()
     torch.testing.assert_close(opt(*xs), model(*xs))
 
@@ -237,10 +272,14 @@ def test_graphs_built_for_later_signatures_are_checked_too(
     opt = fxrec.optimize(model, _inputs(b=4), rules=[WrongAtFive])
     assert opt.fxrec_report.capture == capture
     assert not any("check failed" in n for n in opt.fxrec_report.notes)
+    fired = opt.fxrec_report.count("test_wrong_at_five")
+    assert fired >= 1
     for b in (5, 5, 4):
         xs = _inputs(b=b)
         torch.testing.assert_close(opt(*xs), model(*xs))
     assert any("check failed" in n for n in opt.fxrec_report.notes)
+    # The graphs of batch 5 were dropped: the report lists only batch 4's rewrites.
+    assert opt.fxrec_report.count("test_wrong_at_five") == fired
     torch._dynamo.reset()
 
 
