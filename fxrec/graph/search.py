@@ -11,9 +11,11 @@ topological order means a later node can never be an ancestor of an earlier one,
 per-pair BFS. A graph of 10,000 nodes is indexed in tens of milliseconds.
 
 Fusing a set changes reachability (everything upstream of one member now reaches everything
-downstream of any member). :class:`Reachability` stays sound within a pass by treating all
-sets fused so far as one merged node (:meth:`Reachability.merge`): merging more nodes only
-adds paths, so a set independent under that view is independent in the real graph.
+downstream of any member). :class:`Reachability` stays exact within a pass by treating each
+set fused so far as one node and keeping which fused nodes reach which
+(:meth:`Reachability.merge`). Treating them all as one node would be sound too, but it
+defers the set between two fused levels of a tower (the LayerNorms between two fused
+Linears) to another pass over the whole graph.
 """
 
 from __future__ import annotations
@@ -43,8 +45,12 @@ class Reachability:
                 if j is not None:
                     acc |= self.ancestors[j] | (1 << j)
             self.ancestors.append(acc)
+        # The sets fused since construction, each contracted to one node: its members, their
+        # ancestors, and the fused sets it reaches (a bitset over their order, itself too).
+        self._fused_masks: list[int] = []
+        self._fused_anc: list[int] = []
+        self._fused_down: list[int] = []
         self._merged_mask = 0  # members of every set fused since construction
-        self._merged_anc = 0  # their ancestors
         self._effects: list[int] | None = None
 
     def effect_positions(self, is_effect: Callable[[fx.Node], bool]) -> list[int]:
@@ -69,22 +75,57 @@ class Reachability:
         return bool((self.ancestors[ib] >> ia) & 1 or (self.ancestors[ia] >> ib) & 1)
 
     def merge(self, members: Sequence[fx.Node]) -> None:
-        """Record that ``members`` were fused into one node."""
+        """Record that ``members`` were fused into one node.
+
+        The fused node reads what every member read and feeds what every member fed, so it
+        joins paths: a set with a member upstream of this one now reaches every set downstream
+        of it. Kept as a closure over the fused sets (few per pass), not by re-indexing.
+        """
+        mask = anc = 0
         for n in members:
             i = self.index[n]
-            self._merged_mask |= 1 << i
-            self._merged_anc |= self.ancestors[i]
+            mask |= 1 << i
+            anc |= self.ancestors[i]
+        k = len(self._fused_masks)
+        into = 0  # fused sets with a member upstream of one of these
+        down = 1 << k  # what the new node reaches: itself, and what its members feed
+        for j, (mj, aj) in enumerate(zip(self._fused_masks, self._fused_anc)):
+            if anc & mj:
+                into |= 1 << j
+            if aj & mask:
+                down |= self._fused_down[j]
+        if into:
+            for j, dj in enumerate(self._fused_down):
+                if dj & into:  # j reaches a set upstream of the new node: and all it reaches
+                    self._fused_down[j] = dj | down
+        self._fused_masks.append(mask)
+        self._fused_anc.append(anc)
+        self._fused_down.append(down)
+        self._merged_mask |= mask
 
     def still_independent(self, members: Sequence[fx.Node]) -> bool:
-        """False if fusions recorded by :meth:`merge` may have created a path between members."""
+        """False if fusions recorded by :meth:`merge` created a path between members.
+
+        A path between two members of a set independent in the indexed graph must pass through
+        fused nodes: from a member upstream of one fused set, through the sets that one
+        reaches, to a member downstream of any of them.
+        """
         if not self._merged_mask:
             return True
         m = self.mask(members)
         if m & self._merged_mask:
             return False  # a member was already fused away
-        upstream = m & self._merged_anc
-        downstream = any(self.ancestors[self.index[n]] & self._merged_mask for n in members)
-        return not (upstream and downstream)
+        reached = 0
+        for j, aj in enumerate(self._fused_anc):
+            if aj & m:
+                reached |= self._fused_down[j]
+        if not reached:
+            return True
+        below = 0  # the members of every fused set some member reaches
+        for j, mj in enumerate(self._fused_masks):
+            if reached >> j & 1:
+                below |= mj
+        return not any(self.ancestors[self.index[n]] & below for n in members)
 
 
 def bucket(
