@@ -451,6 +451,9 @@ class OptimizedModule(nn.Module):
         if runner is None:
             runner = self._spilled.get(key)
             if runner is None:
+                # Members and flat tensors agree before a graph is built and checked (one of
+                # them given new data since the last call: an EMA swapped in with `.data =`).
+                self._modules["fxrec_fused"].sync_requires_grad()
                 runner = self._build(key, args, kwargs)
         return runner, args, kwargs
 
@@ -529,8 +532,9 @@ class OptimizedModule(nn.Module):
         raise RuntimeError(
             f"fxrec: parameter {name!r} was replaced after fxrec.optimize, but its values live "
             "in a flat parameter (fxrec_fused.*) that the optimizer holds. Copy new values "
-            "into it in place (`with torch.no_grad(): param.copy_(new)`), or put the old "
-            "parameter back and optimize again."
+            "into it in place (`with torch.no_grad(): param.copy_(new)`; load state dicts "
+            "into the model without assign=True), or optimize the changed model again (and "
+            "build a new optimizer)."
         )
 
     def _new_module_on(self, path: str) -> str | None:
@@ -1061,8 +1065,11 @@ class OptimizedModule(nn.Module):
     def named_parameters(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
     ) -> Iterator[tuple[str, nn.Parameter]]:  # type: ignore[override]
-        """The parameters to optimize: fused ones replace their members."""
-        members = self.fxrec_fused.member_ids()
+        """The parameters to optimize: fused ones replace their members (which gave them
+        any data they got since the last call: ``member.data = t``)."""
+        fused = self.fxrec_fused
+        fused.sync_data()
+        members = fused.member_ids()
         for name, p in super().named_parameters(prefix, recurse, remove_duplicate):
             if id(p) not in members:
                 yield name, p
@@ -1122,6 +1129,7 @@ class OptimizedModule(nn.Module):
     def __getstate__(self) -> dict[str, Any]:
         """Pickled (``torch.save(opt)``) without its graphs: they hold dynamo's and FX's
         process-local state, and are rebuilt on the first calls after loading."""
+        self.fxrec_fused.sync_data()  # members and flat tensors pickled alike
         state = super().__getstate__()  # type: ignore[misc]
         state = dict(state)
         for name in ("_traced", "_runners", "_overflow", "_spilled", "_spilled_graphs"):
@@ -1156,6 +1164,7 @@ class OptimizedModule(nn.Module):
         Graphs are rebuilt for the copy on its first calls (they hold this module's tensors,
         and dynamo's state cannot be copied).
         """
+        self.fxrec_fused.sync_data()  # the copy's layouts are built from the members
         model = copy.deepcopy(self.model, memo)
         out = OptimizedModule(
             model,

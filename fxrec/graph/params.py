@@ -177,6 +177,8 @@ _REQUIRES_GRAD = operator.attrgetter("requires_grad")
 # step, silently.
 _LAID_OUT: dict[int, tuple[weakref.ref, weakref.ref, _Slot]] = {}
 _FLATS: dict[int, weakref.ref] = {}  # every flat parameter holding laid-out members, by id
+# The FusedParameters holding each flat parameter of ``_FLATS`` at its root, by the flat's id.
+_FLAT_OWNERS: dict[int, weakref.ref] = {}
 _step_hook: list[RemovableHandle] = []
 
 
@@ -283,6 +285,7 @@ def _watch(member: torch.Tensor, flat: torch.Tensor, slot: _Slot) -> None:
     def drop(ref: weakref.ref) -> None:  # the flat parameter died
         if _FLATS.get(fkey) is ref:
             del _FLATS[fkey]
+            _FLAT_OWNERS.pop(fkey, None)
 
     if fkey not in _FLATS or _FLATS[fkey]() is not flat:
         _FLATS[fkey] = weakref.ref(flat, drop)
@@ -314,10 +317,27 @@ def laid_out(tensors: Sequence[torch.Tensor]) -> int:
 
 def _check_optimizer(optimizer: torch.optim.Optimizer, args: object, kwargs: object) -> None:
     """Before any optimizer's step: the checks below, then those in ``step_checks``."""
+    _sync_members(optimizer)
     _refuse_whole_tensor_optimizer(optimizer)
     _refuse_stale_optimizer(optimizer, args, kwargs)
     for check in step_checks:
         check(optimizer)
+
+
+def _sync_members(optimizer: torch.optim.Optimizer) -> None:
+    """Members given new data since the last call (``w.data = w.data.clamp(-c, c)`` between
+    backward and step) pass it to the flat parameters the optimizer holds before the step
+    updates them: after it, the members' stale data would overwrite the step."""
+    if not _FLAT_OWNERS:
+        return
+    done: set[int] = set()
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            ref = _FLAT_OWNERS.get(id(p))
+            owner = ref() if ref is not None else None
+            if owner is not None and id(owner) not in done:
+                done.add(id(owner))
+                owner.sync_data()
 
 
 def _whole_tensor_optimizers() -> tuple[type, ...]:
@@ -940,6 +960,8 @@ class FusedParameters(nn.Module):
         for loc in (*self.locate().values(), *self._inner_flats().values()):
             if loc[0] == root:
                 _watch(loc[2].tensor, flat, _slot(loc[1], loc[2]))
+        if id(flat) in _FLATS:
+            _FLAT_OWNERS[id(flat)] = weakref.ref(self)
 
     def check_conversion(self, fn: object) -> None:
         """Refuse a conversion (``module._apply``'s ``fn``) that would give members new tensor

@@ -146,6 +146,65 @@ def test_flat_data_of_another_shape_raises() -> None:
         opt(torch.randn(8, N * D))
 
 
+@pytest.mark.parametrize("optim", sorted(OPTIMS))
+def test_member_data_given_between_backward_and_step_is_stepped(optim: str) -> None:
+    """A constraint written ``w.data = w.data.clamp(...)`` on the model's weights after
+    backward and before the step: the step updates the clamped values, as in the plain model
+    (the members' new data reaches the flat parameters before the optimizer reads them)."""
+    model, opt, ref = _pair()
+    o_ref, o_opt = OPTIMS[optim](list(ref.parameters())), OPTIMS[optim](list(opt.parameters()))
+    for _ in range(3):
+        x = torch.randn(16, N * D)
+        for module, lins, o in ((ref, ref.lins, o_ref), (opt, model.lins, o_opt)):
+            o.zero_grad()
+            module(x).pow(2).mean().backward()
+            for lin in lins:
+                lin.weight.data = lin.weight.data.clamp(-0.2, 0.2)
+            o.step()
+        _same_state(opt, ref)
+        torch.testing.assert_close(opt(x), ref(x), rtol=TOL, atol=TOL)
+
+
+def test_member_data_shows_in_the_parameters_at_once() -> None:
+    """``opt.parameters()`` right after ``member.data = t`` (an EMA reading them before any
+    call) holds the member's new values in its slice."""
+    model, opt, ref = _pair()
+    for lins in (model.lins, ref.lins):
+        lins[1].weight.data = torch.zeros_like(lins[1].weight)
+    torch.testing.assert_close(
+        parameters_to_vector(opt.parameters()).sum(), parameters_to_vector(ref.parameters()).sum()
+    )
+    _same_state(opt, ref)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_copies_after_new_flat_data_compute_with_it(how: str) -> None:
+    """An EMA swapped in with ``p.data = ema`` over ``opt.parameters()``, then a snapshot of
+    the module: the snapshot computes with the new data, not the members' old data."""
+    import pickle
+
+    _, opt, ref = _pair()
+    for m in (ref, opt):
+        for p in m.parameters():
+            p.data = p.data * 0.5 + 0.1
+    snap = copy.deepcopy(opt) if how == "deepcopy" else pickle.loads(pickle.dumps(opt))
+    x = torch.randn(8, N * D)
+    torch.testing.assert_close(snap(x), ref(x), rtol=TOL, atol=TOL)
+    torch.testing.assert_close(opt(x), ref(x), rtol=TOL, atol=TOL)
+
+
+def test_first_call_in_a_new_mode_after_new_flat_data_still_fuses() -> None:
+    """New flat data, then the first call under ``no_grad`` (a graph built and checked there):
+    the check compares like with like, so that mode's graph fuses too."""
+    _, opt, ref = _pair()
+    for m in (ref, opt):
+        vector_to_parameters(parameters_to_vector(m.parameters()) * 1.5, m.parameters())
+    x = torch.randn(8, N * D)
+    with torch.no_grad():
+        torch.testing.assert_close(opt(x), ref(x), rtol=TOL, atol=TOL)
+    assert not any("check failed" in n for n in opt.fxrec_report.notes)
+
+
 # -- gradient hooks on the model's parameters -------------------------------------------------
 def _hook_up(model: nn.Module, calls: dict[str, int]) -> list[torch.utils.hooks.RemovableHandle]:
     """A hook masking one weight's gradient and one counting accumulated gradients."""
