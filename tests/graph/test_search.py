@@ -169,9 +169,7 @@ def test_still_independent_is_exact_after_fusions(n: int, seed: int) -> None:
         cand = rng.sample(free, k=min(len(free), rng.randint(2, 3)))
         if any(reach.depends(p, q) for i, p in enumerate(cand) for q in cand[i + 1 :]):
             continue
-        want = not any(
-            _contracted_path(g, fused, p, q) for p in cand for q in cand if p is not q
-        )
+        want = not any(_contracted_path(g, fused, p, q) for p in cand for q in cand if p is not q)
         assert reach.still_independent(cand) == want, (cand, fused)
         if want and rng.random() < 0.7:
             reach.merge(cand)
