@@ -324,7 +324,7 @@ class KeyedJaggedTensor(metaclass=SparseMeta):
         constructor, else the largest per-key batch size."""
         if self._stride is None:
             if self._stride_per_key is not None:
-                return max(self._stride_per_key, default=0)  # not cached: permute may drop it
+                return max(self._stride_per_key, default=0)
             if not self._keys:
                 self._stride = 0
             else:
@@ -442,7 +442,7 @@ class KeyedJaggedTensor(metaclass=SparseMeta):
             values,
             weights,
             lengths,
-            stride=self._stride,
+            stride=self.stride(),  # a variable batch keeps its stride, as TorchRec's does
             stride_per_key=[spk[i] for i in order] if self._stride_per_key is not None else None,
             length_per_key=[lpk[i] for i in order],
         )
@@ -471,7 +471,7 @@ class KeyedJaggedTensor(metaclass=SparseMeta):
                     self._values[a:b],
                     None if self._weights is None else self._weights[a:b],
                     lengths[lopk[start] : lopk[end]],
-                    stride=self._stride if self._stride_per_key is not None else self.stride(),
+                    stride=self.stride(),  # a variable batch keeps its stride, as TorchRec's
                     stride_per_key=spk[start:end] if self._stride_per_key is not None else None,
                     length_per_key=lpk[start:end],
                 )

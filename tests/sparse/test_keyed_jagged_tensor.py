@@ -242,7 +242,8 @@ def test_variable_stride_accessors() -> None:
     assert kjt["c"].lengths().tolist() == [1, 3]
     p = kjt.permute([2, 0])
     assert p.stride_per_key() == [2, 1]
-    assert p.stride() == 2
+    assert p.stride() == 3  # the batch's stride, kept as TorchRec keeps it
+    assert [s.stride() for s in kjt.split([1, 2])] == [3, 3]
 
 
 def test_to_does_not_carry_stale_tensor_caches() -> None:

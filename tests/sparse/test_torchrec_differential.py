@@ -34,6 +34,7 @@ def _same(ours: KeyedJaggedTensor, theirs) -> None:  # type: ignore[no-untyped-d
     if w is not None:
         assert torch.equal(ours.weights(), w)
     assert ours.stride_per_key() == theirs.stride_per_key()
+    assert ours.stride() == theirs.stride()  # variable batch: kept through permute and split
     assert ours.length_per_key() == theirs.length_per_key()
     assert ours.offset_per_key() == theirs.offset_per_key()
 
@@ -73,6 +74,7 @@ def test_split_agrees(ref: RefFeatures, data: st.DataObject) -> None:
         assert a.keys() == b.keys()
         assert torch.equal(a.values(), b.values())
         assert torch.equal(a.lengths(), b.lengths())
+        assert a.stride() == b.stride()
         if a.keys():
             assert a.length_per_key() == b.length_per_key()
 
