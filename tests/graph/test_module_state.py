@@ -190,7 +190,11 @@ def test_members_a_forward_was_seen_writing_are_read_through_views_of_their_own(
     torch.manual_seed(0)
     model = DecaysTables()
     opt = fxrec.optimize(model, (torch.randint(0, 40, (16, 8)),))
-    assert opt.fxrec_report.count("parallel_embedding") == 1
+    # The check runs the forward twice, which decays the tables twice: the graph is dropped
+    # (and so are its rewrites from the report), the tables stay laid out.
+    assert any("check failed" in n for n in opt.fxrec_report.notes)
+    assert opt.fxrec_report.count("parallel_embedding") == 0
+    assert {id(w) for w in model.w} <= opt.fxrec_fused.member_ids()
     plain = copy.deepcopy(model)  # as optimize's first run left it
     _trains_like(opt, plain, lambda: torch.randint(0, 40, (16, 8)))
 
