@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 import torch.fx
 
+from fxrec.compiling import is_compiling
 from fxrec.distributed.comm import CommError, MissingBatch, blocked, translated
 from fxrec.sparse import KeyedJaggedTensor, KeyedTensor
 from fxrec.sparse.validation import validation_enabled
@@ -567,7 +568,7 @@ def _exchange(
     Under ``torch.compile`` the op itself is kept: the graph shows the collective (for the
     overlap rule) and the compiled backward is the op's own autograd formula.
     """
-    if torch.compiler.is_compiling():
+    if is_compiling():
         return torch.ops._c10d_functional.all_to_all_single(flat, out_splits, in_splits, group)
     return _AllToAll.apply(flat, out_splits, in_splits, group, what)
 

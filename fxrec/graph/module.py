@@ -37,6 +37,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 from torch.utils.hooks import RemovableHandle
 
+from fxrec.compiling import is_compiling
 from fxrec.graph import meta
 from fxrec.graph.capture import CaptureError, capture_lock, capture_symbolic
 from fxrec.graph.effects import comm_kind, has_hooks
@@ -104,7 +105,7 @@ def _count_registrations() -> int:
             # Not while dynamo or export traces: a traced registration (that slice) must not
             # change Python state, which a checkpointed region refuses.
             # (is_compiling first: dynamo folds it and never reads, nor guards on, the rest)
-            if not torch.compiler.is_compiling() and not _own_calls.depth and module in _watched:
+            if not is_compiling() and not _own_calls.depth and module in _watched:
                 _registered[0] += 1
 
         _registration_hooks = (
@@ -386,7 +387,7 @@ class OptimizedModule(nn.Module):
                     "which takes the same arguments as torch.export.export."
                 )
             return self._run(args, kwargs)  # traced: no registration counts (see count())
-        if torch.compiler.is_compiling():
+        if is_compiling():
             return self._opaque_call(args, kwargs)
         if _fx_trace._is_fx_tracing_flag or _jit_tracing():  # two reads: ~0.1 us a call
             _refuse_tracers(args, kwargs)

@@ -39,6 +39,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
+from fxrec.compiling import is_compiling
 from fxrec.nn.checks import assert_id_ranges, check_id_ranges
 from fxrec.nn.functional import embedding_bag_grouped, out_of_range_error, shift_ids
 from fxrec.nn.layout import Member
@@ -168,7 +169,7 @@ def lookup(
     description, which reads ``checked`` (the token of :func:`check_ids`): the check runs
     first.
     """
-    if torch.compiler.is_compiling():
+    if is_compiling():
         return torch.ops.fxrec.tbe_lookup(
             weight,
             ids,

@@ -33,6 +33,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from fxrec.compiling import is_compiling
 from fxrec.nn import _fbgemm
 from fxrec.nn.checks import assert_id_ranges, check_dtypes, check_id_ranges
 from fxrec.nn.config import EmbeddingBagConfig
@@ -294,9 +295,9 @@ class EmbeddingBagCollection(nn.Module):
         """
         values, lengths, members = kjt.values(), kjt.lengths(), self._members_group_major
         counts = kjt.length_per_key_or_none()
-        if torch.compiler.is_compiling() and fbgemm:  # one node: the host check, run eagerly
+        if is_compiling() and fbgemm:  # one node: the host check, run eagerly
             return _fbgemm.check_ids(values, lengths, kjt.stride_per_key(), counts, members), counts
-        if torch.compiler.is_compiling():  # a device assert (a host check breaks the graph)
+        if is_compiling():  # a device assert (a host check breaks the graph)
             assert_id_ranges(values, lengths, kjt.stride_per_key(), members)
         elif validation_enabled():
             counts = kjt.length_per_key()

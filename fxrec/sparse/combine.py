@@ -20,6 +20,7 @@ import torch
 import torch.utils._pytree as pytree
 from tensordict import TensorDictBase
 
+from fxrec.compiling import is_compiling
 from fxrec.sparse.jagged_tensor import JaggedTensor
 from fxrec.sparse.keyed_jagged_tensor import KeyedJaggedTensor
 from fxrec.sparse.ops import permute_and_split
@@ -77,7 +78,7 @@ class CombinedFeatures:
         under the very KJT the model's graph later rebuilds from the batch.
         """
         key = (start, count, weighted and self.weights is not None)
-        compiling = torch.compiler.is_compiling()
+        compiling = is_compiling()
         kept = {} if compiling else self.__dict__.setdefault(_SLICES, {})
         kjt = kept.get(key)
         if kjt is None:

@@ -45,6 +45,7 @@ from typing import Any
 import torch
 from tensordict import LazyStackedTensorDict, TensorDict, TensorDictBase
 
+from fxrec.compiling import is_compiling
 from fxrec.sparse import validation as V
 from fxrec.sparse.keyed_jagged_tensor import KeyedJaggedTensor
 from fxrec.sparse.segments import cumsum_list, single_threaded
@@ -91,7 +92,7 @@ def _njt(values: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         or type(offsets) is not torch.Tensor
         or values.requires_grad
         or torch._C._len_torch_dispatch_stack() > 0  # fake or proxy modes record the view op
-        or torch.compiler.is_compiling()
+        or is_compiling()
     ):
         return torch.nested.nested_tensor_from_jagged(values, offsets=offsets)
     return _NJT(values, offsets)
@@ -342,7 +343,7 @@ def kjt_from_tensordict(
     same entries (each feature's rows are its NJT's), or per-sample TensorDicts stacked with
     ``LazyStackedTensorDict.lazy_stack(samples)``.
     """
-    if torch.compiler.is_compiling():
+    if is_compiling():
         return _converted_eagerly(td, keys)
     return _kjt_from_tensordict(td, keys)
 

@@ -19,6 +19,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch.fx import _symbolic_trace
 
+from fxrec.compiling import is_compiling
 from fxrec.sparse.segments import single_threaded
 
 __all__ = [
@@ -52,7 +53,7 @@ def validation_disabled() -> Iterator[None]:
 
 def is_tracing() -> bool:
     """True under torch.compile/dynamo, export or ``torch.fx.symbolic_trace``."""
-    if torch.compiler.is_compiling():
+    if is_compiling():
         return True
     # The module flag, read directly: ``is_fx_tracing()`` logs a warning on every call.
     return bool(getattr(_symbolic_trace, "_is_fx_tracing_flag", False))

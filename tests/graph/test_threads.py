@@ -338,3 +338,26 @@ def test_calls_through_dynamo_while_another_thread_traces() -> None:
     assert len(got) == 1 and not isinstance(got[0], BaseException), got
     with torch.no_grad():
         torch.testing.assert_close(got[0], plain(x))
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_eager_calls_while_another_thread_compiles(
+    monkeypatch: pytest.MonkeyPatch, backend: str
+) -> None:
+    """``torch.compiler.is_compiling()`` is one flag for the whole process, True while any
+    thread compiles: a collection called eagerly meanwhile took the traced path (fbgemm's
+    lookup recursed into its own op until RecursionError) and skipped the id check. fxrec asks
+    whether this thread compiles. The flag is set here as another thread's compile sets it."""
+    from fxrec.nn import EmbeddingBagCollection
+    from fxrec.sparse import KeyedJaggedTensor
+    from tests.nn.helpers import check_against_reference, mixed_tables, random_kjt
+
+    ebc = EmbeddingBagCollection(mixed_tables(), backend=backend)  # type: ignore[arg-type]
+    kjt = random_kjt(ebc, 6, torch.Generator().manual_seed(0))
+    monkeypatch.setattr(torch.compiler, "_is_compiling_flag", True)
+    check_against_reference(ebc, kjt)
+    ids = kjt.values().clone()
+    ids[0] = 1000
+    bad = KeyedJaggedTensor(kjt.keys(), ids, lengths=kjt.lengths())
+    with pytest.raises(ValueError, match=r"id 1000 .* is outside table"):
+        ebc(bad)
