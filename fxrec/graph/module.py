@@ -762,7 +762,7 @@ class OptimizedModule(nn.Module):
             try:
                 runner = self._optimize_traced(traced, mode, args, kwargs)
             except _TraceDoesNotRun as exc:
-                note = f"symbolic trace does not run these inputs ({exc}); dynamo captures them"
+                note = f"symbolic trace unfit for these inputs ({exc}); dynamo captures them"
                 logger.info("fxrec: %s", note)
                 self.fxrec_report.note(note)
         if runner is None and len(self._runners) >= MAX_CACHED_SIGNATURES:
@@ -940,6 +940,9 @@ class OptimizedModule(nn.Module):
             except Exception as exc:
                 _raise_if_model_fails(self.model, call_args, kwargs)
                 raise _TraceDoesNotRun(f"{type(exc).__name__}: {exc}") from exc
+        check = self._check and not _fake(args, {})  # fake inputs (export): no values
+        if check:
+            self._check_trace(call_args, kwargs, reference)
         report = Report(capture="symbolic_trace")
         optimize_graph(
             gm,
@@ -952,7 +955,6 @@ class OptimizedModule(nn.Module):
         )
         failed = ""
         with _hooks_silenced(self.model):
-            check = self._check and not _fake(args, {})  # fake inputs (export): no values
             try:
                 same = not check or _same_outputs(self.model, gm, args, reference)
             except Exception as exc:  # a rewrite the inputs break: the model's graph runs them
@@ -983,6 +985,24 @@ class OptimizedModule(nn.Module):
             )
             return _Unfused(gm, self.model, self.fxrec_fused)
         return gm
+
+    def _check_trace(self, args: tuple, kwargs: dict, reference: Any) -> None:
+        """Raise :class:`_TraceDoesNotRun` unless the trace's outputs (``reference``) are the
+        model's on these inputs.
+
+        A proxy is not the tensor it stands for: ``isinstance(w, torch.Tensor)`` on an input
+        is False while tracing, and the trace silently keeps the other branch. The rewritten
+        graph is checked against the trace; this checks the trace against the model, so that
+        such a model is captured by dynamo instead, which follows the branch and guards it.
+        """
+        with _hooks_silenced(self.model):
+            grad = torch.is_grad_enabled()  # the mode the trace was made in
+            same = _same_outputs(self.model, self.model, args, reference, grad, kwargs)
+        if not same:
+            raise _TraceDoesNotRun(
+                "its outputs differ from the model's: the trace took a branch the model does "
+                "not (isinstance of an input, a Python value of one)"
+            )
 
     def __getattr__(self, name: str) -> Any:
         """The model's public attributes (``opt.head``, ``opt.get_embeddings()``), as

@@ -427,6 +427,34 @@ class Optional(Norms):
         return out
 
 
+class TypeBranch(Norms):
+    """Optional per-row weights told apart by type: a proxy is not a Tensor, so a symbolic
+    trace keeps the unweighted branch whatever the input."""
+
+    def forward(self, x: torch.Tensor, w: object) -> torch.Tensor:
+        out = super().forward(x)
+        if isinstance(w, torch.Tensor):
+            out = out * w[:, None]
+        return out
+
+
+def test_a_branch_the_trace_takes_otherwise_is_captured_by_dynamo() -> None:
+    model = TypeBranch()
+    ref = copy.deepcopy(model)
+    opt = fxrec.optimize(model, (torch.randn(8, 4 * D), torch.rand(8) + 1.0))
+    report = opt.fxrec_report
+    assert report.capture == "dynamo" and report.count() > 0
+    assert any("outputs differ from the model's" in n for n in report.notes)
+    for w in (torch.rand(6) + 1.0, None):
+        x = torch.randn(6, 4 * D)
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        got, want = opt(xa, w), ref(xb, w)
+        torch.testing.assert_close(got, want, rtol=TOL, atol=TOL)
+        got.pow(2).sum().backward()
+        want.pow(2).sum().backward()
+        torch.testing.assert_close(xa.grad, xb.grad, rtol=TOL, atol=TOL)
+
+
 class KeywordOnly(Norms):
     def forward(self, x: torch.Tensor, *, scale: float = 1.0) -> torch.Tensor:
         return super().forward(x) * scale
