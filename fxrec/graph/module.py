@@ -304,6 +304,18 @@ def _structure(x: Any, rows: bool = True) -> Any:
     return _without_batch(x, rows)
 
 
+def _batch_scale(key: Any) -> int:
+    """The power of two of a signature's batch: its first dense input's dim 0 (0 without one)."""
+    work = [key]
+    while work:
+        x = work.pop()
+        if isinstance(x, tuple):
+            if x and x[0] == "T" and isinstance(x[1], tuple):
+                return x[1][0].bit_length() if x[1] and isinstance(x[1][0], int) else 0
+            work.extend(reversed(x))
+    return 0
+
+
 def _without_batch(x: Any, rows: bool) -> Any:
     if isinstance(x, tuple):
         if x and x[0] == "T" and isinstance(x[1], tuple):  # (not a KJT's keys, "T" first)
@@ -357,7 +369,8 @@ class OptimizedModule(nn.Module):
         self._communicates: set[Any] = set()
         self._overflow: dict[Any, Any] = {}  # mode -> the capture past the signature cache
         self._spilled: dict[Any, Any] = {}  # signatures past the cache -> their shared runner
-        self._spilled_graphs: dict[Any, Any] = {}  # graphs built past the cache, by structure
+        # graphs built past the cache, by structure and batch scale (see _batch_scale)
+        self._spilled_graphs: dict[Any, Any] = {}
         self._dynamo_backend: Any = None
         self._assigned: set[str] = set()  # buffers forward reassigns: dynamo reads them per call
         self._follow_modules(list(model.modules()))
@@ -697,9 +710,16 @@ class OptimizedModule(nn.Module):
         exporting = torch.compiler.is_exporting()
         full = len(self._runners) >= MAX_CACHED_SIGNATURES
         forced = exporting or mode in self._communicates
+        # The cost model's choices hold near the batch they were made for: a graph fused for
+        # batch 13 runs batch 4096 slower than the model. Past the cache, a graph serves the
+        # batches within its power of two; forced reuse takes the nearest.
+        scale = _batch_scale(key)
+        loose.sort(key=lambda k: abs(_batch_scale(k) - scale))
+        if not forced:
+            loose = [k for k in loose if _batch_scale(k) == scale]
         shared = self._runners[loose[0]] if loose else None
         if shared is None and (forced or full):  # one built past the cache, for other sizes
-            shared = self._spilled_graphs.get(_structure(key))
+            shared = self._spilled_graph(key, nearest=forced)
         if shared is not None and (forced or full):
             # A graph of the same structure runs these inputs too. Reused when the cache is
             # full (once it gave the model's outputs on them), and always when the graph
@@ -731,6 +751,7 @@ class OptimizedModule(nn.Module):
             k[0] == mode
             and not isinstance(r, _DynamoRunner)  # (dynamo captures: the overflow capture)
             and _structure(k, False) == rows_free
+            and _structure(k) != _structure(key)  # (the same: a batch of another scale)
             for k, r in self._runners.items()
         ):
             # New rows per key of a sparse input past the cache (a variable batch per key, new
@@ -775,10 +796,21 @@ class OptimizedModule(nn.Module):
             # more structures than the cache holds, taking turns, would each be rebuilt.
             if len(self._spilled_graphs) >= MAX_SPILLED_SIGNATURES:
                 del self._spilled_graphs[next(iter(self._spilled_graphs))]
-            self._spilled_graphs[_structure(key)] = runner
+            self._spilled_graphs[(_structure(key), _batch_scale(key))] = runner
             return runner
         self._runners[key] = runner
         return runner
+
+    def _spilled_graph(self, key: Any, nearest: bool) -> Any:
+        """A graph built past the cache for ``key``'s structure and batch scale; with
+        ``nearest``, for the nearest scale built. None if there is none."""
+        structure, scale = _structure(key), _batch_scale(key)
+        found = self._spilled_graphs.get((structure, scale))
+        if found is None and nearest:
+            scales = [s for (st, s) in self._spilled_graphs if st == structure]
+            if scales:
+                found = self._spilled_graphs[(structure, min(scales, key=lambda s: abs(s - scale)))]
+        return found
 
     def _serves(self, runner: Any, args: tuple, kwargs: dict) -> bool:
         """Does ``runner``, built for another batch size, give the model's outputs on these

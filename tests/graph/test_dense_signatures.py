@@ -202,8 +202,9 @@ def _count_builds(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 def test_new_batch_sizes_past_the_cache_reuse_a_graph(
     family: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A new batch size of a length seen before builds nothing: the graph reads its leading
-    dims at run time, wherever the batch sits among them."""
+    """A new batch size of a length seen before, within the power of two of a cached one,
+    builds nothing: the graph reads its leading dims at run time, wherever the batch sits
+    among them."""
     torch.manual_seed(0)
     cls, make, _ = _FAMILIES[family]
     model = cls()
@@ -213,9 +214,37 @@ def test_new_batch_sizes_past_the_cache_reuse_a_graph(
     for b in range(5, 5 + MAX_CACHED_SIGNATURES):
         opt(*make(b, 3))
     builds = _count_builds(monkeypatch)
-    for b in (17, 2, 23):
+    for b in (13, 15, 14):
         _same_step(plain, opt, model, make(b, 3))
     assert builds == []
+
+
+def test_a_batch_of_another_scale_past_the_cache_gets_a_graph_of_its_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The CPU cost model fuses sets whose members are small enough for dispatch to matter:
+    a graph built for batches of 2-13 fuses sets that batch 4096 runs faster as written.
+    Past the cache, batch 4096 gets its graph (the kernels of a graph built for it first),
+    once for its power of two; forced reuse aside, smaller batches keep theirs."""
+    from fxrec.bench.models import ParallelTowers
+
+    torch.manual_seed(0)
+    model = ParallelTowers(8, 32, (32, 32, 16)).eval()
+    plain = copy.deepcopy(model)
+    fresh = fxrec.optimize(copy.deepcopy(model), (torch.randn(64, 32),)).eval()
+    opt = fxrec.optimize(model, (torch.randn(64, 32),)).eval()
+    big = torch.randn(4096, 32)
+    assert opt.fxrec_report.capture == "symbolic_trace"
+    with torch.no_grad():
+        for b in range(2, 14):
+            opt(torch.randn(b, 32))
+        builds = _count_builds(monkeypatch)
+        for x in (big, torch.randn(5000, 32), torch.randn(13, 32)):
+            torch.testing.assert_close(opt(x), plain(x), rtol=1e-4, atol=1e-4)
+    assert len(builds) == 1  # 4096's scale once; 5000 shares it, 13 is cached
+    want = fxrec.count_kernels(fresh, big, backward=False).forward
+    small = fxrec.count_kernels(opt, torch.randn(13, 32), backward=False).forward
+    assert fxrec.count_kernels(opt, big, backward=False).forward == want > small
 
 
 class _SequenceFirstIds(nn.Module):
