@@ -976,6 +976,7 @@ class OptimizedModule(nn.Module):
         if check:
             self._check_trace(call_args, kwargs, reference)
         report = Report(capture="symbolic_trace")
+        mark = report.mark()
         optimize_graph(
             gm,
             self._rules,
@@ -999,7 +1000,7 @@ class OptimizedModule(nn.Module):
                 "using the captured graph",
                 failed,
             )
-            undone = report.undo((0, 0, report.nodes_before, report.nodes_before))
+            undone = report.undo(mark)
             report.notes.append(
                 f"check failed: outputs differ on the example inputs{failed}; graph left "
                 f"unoptimized ({undone} rewrites undone)"
