@@ -37,6 +37,7 @@ from fxrec.graph.effects import (
     records_grad,
     written_targets,
 )
+from fxrec.graph.grad_history import GradHistory, History
 from fxrec.graph.pieces import piece_of
 from fxrec.graph.rule import HorizontalRule, LocalRule, RewriteContext, Rule
 from fxrec.graph.search import Reachability, _is_ordered, independent_sets, stable_toposort
@@ -132,7 +133,7 @@ def _run_local(rule: LocalRule, ctx: RewriteContext) -> bool:
 
 
 def _run_horizontal(
-    rule: HorizontalRule, ctx: RewriteContext, reach: Reachability
+    rule: HorizontalRule, ctx: RewriteContext, reach: Reachability, history: GradHistory
 ) -> tuple[bool, bool]:
     """Returns (changed, deferred): deferred sets are retried on the next pass."""
     changed = deferred = False
@@ -146,24 +147,46 @@ def _run_horizontal(
             if not reach.still_independent(group):
                 deferred = True
                 continue
-            for part in rule.partition(group, ctx):
-                if len(part) < rule.min_size:
-                    continue
-                reason = (
-                    _effect_between(part, reach, ctx)
-                    or _piece_cut_from_grad(part)
-                    or rule.cost_reason(part, ctx)
-                    or rule.refuse_reason(part, ctx)
-                )
-                if reason is not None:
-                    rule.refuse(ctx, part, reason)
-                    continue
-                last = max(part, key=reach.index.__getitem__)
-                with ctx.graph.inserting_before(last), ctx.batched_replacements():
-                    rule.fuse(part, ctx)
-                reach.merge(part)
-                changed = True
+            for same in _by_history(group, history, rule.min_size):
+                for part in rule.partition(same, ctx):
+                    if len(part) >= rule.min_size:
+                        changed |= _refuse_or_fuse(rule, part, ctx, reach)
     return changed, deferred
+
+
+def _by_history(group: list[fx.Node], history: GradHistory, min_size: int) -> list[list[fx.Node]]:
+    """``group`` split by the autograd history its members' results can carry
+    (:class:`~fxrec.graph.grad_history.GradHistory`), sets smaller than ``min_size`` dropped.
+
+    A fused result records history if any member's does: a member without any (a
+    ``.detach()``-ed branch) would come back with a ``grad_fn`` where PyTorch gives none.
+    """
+    kinds: dict[History, list[fx.Node]] = {}
+    for n in group:
+        kinds.setdefault(history(n), []).append(n)
+    if len(kinds) == 1:
+        return [group]
+    return [same for same in kinds.values() if len(same) >= min_size]
+
+
+def _refuse_or_fuse(
+    rule: HorizontalRule, part: list[fx.Node], ctx: RewriteContext, reach: Reachability
+) -> bool:
+    """Fuse ``part`` unless the driver or the rule refuses it; True if it was fused."""
+    reason = (
+        _effect_between(part, reach, ctx)
+        or _piece_cut_from_grad(part)
+        or rule.cost_reason(part, ctx)
+        or rule.refuse_reason(part, ctx)
+    )
+    if reason is not None:
+        rule.refuse(ctx, part, reason)
+        return False
+    last = max(part, key=reach.index.__getitem__)
+    with ctx.graph.inserting_before(last), ctx.batched_replacements():
+        rule.fuse(part, ctx)
+    reach.merge(part)
+    return True
 
 
 def _effect_between(
@@ -271,6 +294,14 @@ def _buckets(
     return {k: ms for k, ms in out.items() if len(ms) >= rule.min_size}
 
 
+def _grad_history(ctx: RewriteContext, reach: Reachability) -> GradHistory:
+    """The run's :class:`GradHistory`, given the in-place writes among the nodes
+    :func:`_effect_between` looks at (random draws and writes: found once per pass)."""
+    effects = reach.effect_positions(ctx.cached(_reorders_badly))
+    writers = [n for n in (reach.nodes[i] for i in effects) if mutates_input(n)]
+    return GradHistory(ctx.graph, writers, ctx.module)
+
+
 def run_rules(ctx: RewriteContext, rules: Sequence[Rule]) -> int:
     """Apply ``rules`` to ``ctx.gm`` until a fixed point; returns the number of passes.
 
@@ -283,6 +314,7 @@ def run_rules(ctx: RewriteContext, rules: Sequence[Rule]) -> int:
     # True while the graph is the one the last horizontal phase left untouched (it fused and
     # deferred nothing): running the horizontal rules again would find nothing either.
     settled = False
+    history: GradHistory | None = None
     for passes in range(1, MAX_PASSES + 1):  # noqa: B007
         changed = False
         for rule in rules:
@@ -290,9 +322,11 @@ def run_rules(ctx: RewriteContext, rules: Sequence[Rule]) -> int:
                 changed |= _run_local(rule, ctx)
         if horizontal and not (settled and not changed):
             reach = Reachability(graph)
+            if history is None:  # the writes rules add (BatchNorm counters) carry none
+                history = _grad_history(ctx, reach)
             fused = deferred = False
             for rule in horizontal:
-                c, d = _run_horizontal(rule, ctx, reach)
+                c, d = _run_horizontal(rule, ctx, reach, history)
                 fused |= c
                 deferred |= d
             if fused:
