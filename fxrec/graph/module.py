@@ -37,7 +37,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 from torch.utils.hooks import RemovableHandle
 
-from fxrec.compiling import is_compiling
+from fxrec.compiling import is_compiling, is_exporting
 from fxrec.graph import meta
 from fxrec.graph.capture import CaptureError, capture_lock, capture_symbolic
 from fxrec.graph.effects import comm_kind, has_hooks
@@ -391,7 +391,7 @@ class OptimizedModule(nn.Module):
 
     # -- running -----------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_exporting():
+        if is_exporting():
             if self.fxrec_fused.member_ids():
                 raise RuntimeError(
                     "fxrec: torch.export.export cannot export an optimized module whose "
@@ -681,7 +681,7 @@ class OptimizedModule(nn.Module):
             runner = self._runners.get(key)
             if runner is None:
                 runner = self._build_locked(key, args, kwargs, example)
-                if key not in self._runners and not torch.compiler.is_exporting():
+                if key not in self._runners and not is_exporting():
                     if len(self._spilled) >= MAX_SPILLED_SIGNATURES:
                         del self._spilled[next(iter(self._spilled))]
                     self._spilled[key] = runner
@@ -707,7 +707,7 @@ class OptimizedModule(nn.Module):
             if len(self._runners) < MAX_CACHED_SIGNATURES:
                 self._runners[key] = runner
             return runner
-        exporting = torch.compiler.is_exporting()
+        exporting = is_exporting()
         full = len(self._runners) >= MAX_CACHED_SIGNATURES
         forced = exporting or mode in self._communicates
         # The cost model's choices hold near the batch they were made for: a graph fused for

@@ -33,7 +33,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from fxrec.compiling import is_compiling
+from fxrec.compiling import is_compiling, is_exporting
 from fxrec.nn import _fbgemm
 from fxrec.nn.checks import assert_id_ranges, check_dtypes, check_id_ranges
 from fxrec.nn.config import EmbeddingBagConfig
@@ -410,7 +410,7 @@ class EmbeddingBagCollection(nn.Module):
             return False
         if g.pooling == "max" or weight.dtype != torch.float32:
             return False
-        if torch.compiler.is_exporting() or is_symbolic_tracing():
+        if is_exporting() or is_symbolic_tracing():
             return False
         return _fbgemm_kernel(weight.device.type)
 
@@ -450,7 +450,7 @@ class EmbeddingBagCollection(nn.Module):
         plan = self._plans.get(keys)
         if plan is None:
             plan = make_plan(keys, self._layout)
-            if torch.compiler.is_exporting():  # an exported program holds no module state
+            if is_exporting():  # an exported program holds no module state
                 return plan
             if len(self._plans) >= _PLAN_CACHE_SIZE:
                 self._plans.pop(next(iter(self._plans)))
@@ -465,7 +465,7 @@ class EmbeddingBagCollection(nn.Module):
         if c is None:
             with torch.inference_mode(False):
                 c = self._build_const(gi, device, what)
-            if not torch.compiler.is_exporting():  # (export traces with fake tensors)
+            if not is_exporting():  # (export traces with fake tensors)
                 self._device_consts[key] = c
         return c
 

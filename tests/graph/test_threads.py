@@ -361,3 +361,21 @@ def test_eager_calls_while_another_thread_compiles(
     bad = KeyedJaggedTensor(kjt.keys(), ids, lengths=kjt.lengths())
     with pytest.raises(ValueError, match=r"id 1000 .* is outside table"):
         ebc(bad)
+
+
+def test_optimized_module_called_while_another_thread_exports(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``torch.compiler.is_exporting()`` is one flag for the process too: an optimized module
+    called eagerly while another thread exported refused to run ("cannot export an optimized
+    module whose parameters are laid out"). The flags are set here as an export sets them."""
+    model = Towers()
+    ref = copy.deepcopy(model)
+    x = torch.randn(4, 32)
+    opt = fxrec.optimize(model, (x,))
+    assert opt.fxrec_fused.member_ids()  # laid out: the export refusal applies
+    monkeypatch.setattr(torch.compiler, "_is_compiling_flag", True)
+    monkeypatch.setattr(torch.compiler, "_is_exporting_flag", True)
+    torch.testing.assert_close(opt(x), ref(x))
+    y = torch.randn(9, 32)  # a new signature builds on this thread as it would without them
+    torch.testing.assert_close(opt(y), ref(y))
